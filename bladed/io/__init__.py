@@ -1,0 +1,54 @@
+"""The I/O floor: the C engine's wrapper, the extent-device interface and its
+three backends (nvme, block, file).  Knows nothing of sessions or models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bladed.io.device import DEFAULT_QUEUE_DEPTH, Engine, ExtentDevice
+from bladed.io.errors import (
+    AlignmentError,
+    BladedIOError,
+    NVMeStatusError,
+    OutOfRangeError,
+    ShortTransferError,
+)
+from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer
+
+BACKENDS = ("nvme", "block", "file")
+
+
+def open_device(backend: str, path: str, **options: Any) -> ExtentDevice:
+    """Open a device of the named backend (``nvme``, ``block`` or ``file``)."""
+    if backend == "file":
+        from bladed.io.file import FileDevice
+
+        return FileDevice(path, **options)
+    if backend == "block":
+        from bladed.io.block import BlockDevice
+
+        return BlockDevice(path, **options)
+    if backend == "nvme":
+        from bladed.io.nvme import NvmeDevice
+
+        return NvmeDevice(path, **options)
+    raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_QUEUE_DEPTH",
+    "AlignmentError",
+    "BladedIOError",
+    "Engine",
+    "ExtentDevice",
+    "HugePages",
+    "NVMeStatusError",
+    "Op",
+    "OutOfRangeError",
+    "Ring",
+    "ShortTransferError",
+    "StagingBuffer",
+    "Transfer",
+    "open_device",
+]

@@ -1,0 +1,156 @@
+"""NVMe-direct backend: the generic char device ``/dev/ngXnY`` driven with
+NVMe READ/WRITE/DSM commands over ``io_uring_cmd`` (paper §IV-B).
+
+Geometry comes from the controller itself: the namespace id (NVME_IOCTL_ID),
+LBA size, capacity and DLFEAT (Identify Namespace), MDTS (Identify
+Controller).  The command size is capped by MDTS, by the kernel's
+``max_hw_sectors_kb`` and by ``max_segments`` pages, since passthrough
+commands are never split by the kernel.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from bladed._uring import ffi, lib
+from bladed.io.device import ExtentDevice
+from bladed.io.errors import BladedIOError, errno_error
+from bladed.io.uring import HUGE_PAGE_SIZE, PAGE_SIZE
+
+CNS_NAMESPACE = 0
+CNS_CONTROLLER = 1
+
+
+@dataclass(frozen=True)
+class NamespaceIdentity:
+    """The fields of Identify Namespace / Controller that bladed uses."""
+
+    nsid: int
+    nsze: int              # namespace size in LBAs
+    lba_size: int
+    metadata_size: int
+    lba_formats: tuple[tuple[int, int], ...]   # (lba_size, metadata bytes) of each format
+    current_format: int
+    dlfeat: int            # bits 2:0: 1 = deallocated reads zeroes, 2 = all ones
+    mdts: int              # 0 = unlimited; else max transfer = 2^mdts * 4 KiB (CAP.MPSMIN)
+    model: str
+    serial: str
+
+    @property
+    def mdts_bytes(self) -> int:
+        return 0 if self.mdts == 0 else (1 << self.mdts) * PAGE_SIZE
+
+    @property
+    def deallocate_reads_zeroes(self) -> bool:
+        return (self.dlfeat & 0x7) == 1
+
+
+def identify(fd: int, nsid: int, cns: int) -> bytes:
+    buf = ffi.new("char[]", 4096)
+    ret = lib.bd_nvme_identify(fd, nsid, cns, buf)
+    if ret < 0:
+        raise errno_error(-ret, f"NVMe Identify (CNS {cns})")
+    return bytes(ffi.buffer(buf, 4096))
+
+
+def parse_identity(nsid: int, ns: bytes, ctrl: bytes) -> NamespaceIdentity:
+    nsze = struct.unpack_from("<Q", ns, 0)[0]
+    nlbaf = ns[25] + 1
+    flbas = ns[26]
+    fmt = (flbas & 0xF) | ((flbas >> 5) & 0x3) << 4
+    formats = []
+    for i in range(min(nlbaf, 64)):
+        ms, lbads, _rp = struct.unpack_from("<HBB", ns, 128 + 4 * i)
+        formats.append((1 << lbads if lbads else 0, ms))
+    lba_size, ms = formats[fmt]
+    return NamespaceIdentity(
+        nsid=nsid, nsze=nsze, lba_size=lba_size, metadata_size=ms, lba_formats=tuple(formats),
+        current_format=fmt, dlfeat=ns[33], mdts=ctrl[77],
+        serial=ctrl[4:24].decode("ascii", "replace").strip(),
+        model=ctrl[24:64].decode("ascii", "replace").strip(),
+    )
+
+
+def block_sysfs_of(char_path: str) -> str | None:
+    """``/sys/block/nvmeXnY`` for ``/dev/ngXnY``, if present."""
+    m = re.fullmatch(r"ng(\d+)n(\d+)", os.path.basename(os.path.realpath(char_path)))
+    if not m:
+        return None
+    d = f"/sys/block/nvme{m.group(1)}n{m.group(2)}"
+    return d if os.path.isdir(d) else None
+
+
+def _read_int(path: str, default: int) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return default
+
+
+def transfer_limits(ident: NamespaceIdentity, sysfs_block: str | None) -> tuple[int, int]:
+    """(ordinary-page limit, huge-page limit) for one passthrough command."""
+    limits = [ident.mdts_bytes] if ident.mdts_bytes else []
+    segments = 127
+    if sysfs_block:
+        hw = _read_int(os.path.join(sysfs_block, "queue", "max_hw_sectors_kb"), 0) * 1024
+        if hw:
+            limits.append(hw)
+        segments = _read_int(os.path.join(sysfs_block, "queue", "max_segments"), segments)
+    base = min(limits) if limits else 1 << 20
+    # one segment per 4 KiB page; a buffer not page aligned touches one more page
+    page_cap = (segments - 1) * PAGE_SIZE
+    huge_cap = max(segments - 1, 1) * HUGE_PAGE_SIZE
+    return min(base, page_cap), min(base, huge_cap)
+
+
+class NvmeDevice(ExtentDevice):
+    """An NVMe namespace through its generic char device (``/dev/ngXnY``)."""
+
+    kind = "nvme"
+    c_kind = lib.BD_KIND_NVME
+    big_sqe = True
+
+    def __init__(self, path: str) -> None:
+        self.path = os.fspath(path)
+        self.fd = -1
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "NVMe generic device does not exist", self.path) from None
+        if not stat.S_ISCHR(st.st_mode):
+            raise BladedIOError(errno.ENODEV, f"{self.path} is not a character device (want /dev/ngXnY)")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            nsid = lib.bd_nvme_ns_id(self.fd)
+            if nsid < 0:
+                raise errno_error(-nsid, f"{self.path}: NVME_IOCTL_ID (not an NVMe namespace?)")
+            self.identity = parse_identity(nsid, identify(self.fd, nsid, CNS_NAMESPACE),
+                                           identify(self.fd, 0, CNS_CONTROLLER))
+        except BaseException:
+            self.close()
+            raise
+        ident = self.identity
+        if ident.metadata_size:
+            self.close()
+            raise BladedIOError(errno.EINVAL, f"{self.path}: LBA format with {ident.metadata_size} bytes of "
+                                "metadata is not supported; format the namespace without metadata")
+        self.nsid = nsid
+        self.lba_size = ident.lba_size
+        self.capacity_blocks = ident.nsze
+        self.sysfs_block = block_sysfs_of(self.path)
+        self.max_transfer_bytes, self.max_transfer_bytes_huge = transfer_limits(ident, self.sysfs_block)
+        self.zeroes_after_discard = ident.deallocate_reads_zeroes
+        self.max_discard_blocks = 1 << 20
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update(mdts=self.identity.mdts, mdts_bytes=self.identity.mdts_bytes, dlfeat=self.identity.dlfeat,
+                 model=self.identity.model, serial=self.identity.serial)
+        return d

@@ -1,0 +1,278 @@
+"""Python face of the C engine: staging memory, rings and transfers.
+
+The submit/reap loop, the Eq. 7-11 chunking and SQE preparation are in C
+(``cffi_build/bladed_uring.c``); Python touches each *transfer* (one tensor or
+index range) once on the way in and once on the way out, never each chunk.
+cffi releases the GIL for every call into the extension, so channels run in
+parallel threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from bladed._uring import ffi, lib
+from bladed.io.errors import (
+    BladedIOError,
+    NVMeStatusError,
+    ShortTransferError,
+    errno_error,
+)
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 4096
+HUGE_PAGE_SIZE = 2 << 20
+
+
+class Op(enum.IntEnum):
+    """What a transfer does (values shared with the C engine)."""
+
+    READ = lib.BD_OP_READ
+    WRITE = lib.BD_OP_WRITE
+    DISCARD = lib.BD_OP_DISCARD
+    WRITE_ZEROES = lib.BD_OP_WRITE_ZEROES
+
+
+class HugePages(enum.Enum):
+    """How a staging buffer is backed."""
+
+    NONE = 0
+    THP = 1       # 2 MiB aligned, MADV_HUGEPAGE asked (the kernel may or may not oblige)
+    HUGETLB = 2   # MAP_HUGETLB: guaranteed 2 MiB pages
+
+
+def buffer_address(obj: Any) -> tuple[int, int, Any]:
+    """(address, length, keep-alive) of a writable buffer-protocol object."""
+    if isinstance(obj, StagingBuffer):
+        return obj.address, obj.nbytes, obj
+    cbuf = ffi.from_buffer(obj, require_writable=True)
+    return int(ffi.cast("uintptr_t", cbuf)), len(cbuf), cbuf
+
+
+class StagingBuffer:
+    """Page-aligned host memory for DMA, huge-page backed where the size allows.
+
+    Either owned (allocated here with ``bd_staging_alloc``) or a view of
+    memory owned by someone else (``StagingBuffer.wrap``: e.g. a client's
+    memfd mapped by the daemon).
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"staging buffer size must be positive, got {nbytes}")
+        size = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        how = ffi.new("int *")
+        ptr = lib.bd_staging_alloc(size, how)
+        if ptr == ffi.NULL:
+            raise MemoryError(f"cannot map {size} bytes of staging memory")
+        self._ptr: Any = ptr
+        self._owner: Any = None
+        self.nbytes = size
+        self.address = int(ffi.cast("uintptr_t", ptr))
+        self.huge = HugePages(how[0])
+
+    @classmethod
+    def wrap(cls, obj: Any) -> StagingBuffer:
+        """A StagingBuffer over existing writable memory (not freed by us)."""
+        self = cls.__new__(cls)
+        cbuf = ffi.from_buffer(obj, require_writable=True)
+        self._ptr = None
+        self._owner = cbuf
+        self.nbytes = len(cbuf)
+        self.address = int(ffi.cast("uintptr_t", cbuf))
+        self.huge = HugePages.NONE
+        return self
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        """A writable memoryview of ``[offset, offset + nbytes)``."""
+        n = self.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise ValueError(f"view [{offset}, {offset + n}) outside a {self.nbytes}-byte buffer")
+        return memoryview(ffi.buffer(ffi.cast("char *", self.address + offset), n))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Unmap owned memory; idempotent."""
+        if self._ptr is not None:
+            lib.bd_staging_free(self._ptr, self.nbytes)
+            self._ptr = None
+        self._owner = None
+        self.address = 0
+
+    def __enter__(self) -> StagingBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - safety net
+        if getattr(self, "_ptr", None) is not None:
+            self.close()
+
+
+class Transfer:
+    """One request (a tensor, an index range, a discard) and, once done, its outcome."""
+
+    __slots__ = ("_c", "_keep", "op", "slba", "nbytes", "tag", "describe_target")
+
+    def __init__(self, target: Any, op: Op, slba: int, nbytes: int, address: int, keep: Any,
+                 tag: int = 0, describe_target: str = "") -> None:
+        c = ffi.new("struct bd_xfer *")
+        c.target = target
+        c.op = int(op)
+        c.buf_index = -1
+        c.slba = slba
+        c.nbytes = nbytes
+        c.buf = ffi.cast("void *", address)
+        c.tag = tag
+        self._c = c
+        self._keep = keep
+        self.op = op
+        self.slba = slba
+        self.nbytes = nbytes
+        self.tag = tag
+        self.describe_target = describe_target
+
+    @property
+    def ok(self) -> bool:
+        return bool(self._c.err_kind == lib.BD_OK)
+
+    @property
+    def chunks(self) -> int:
+        """Commands the engine issued for this transfer (Eq. 8's n_chunks)."""
+        return int(self._c.n_chunks)
+
+    @property
+    def service_ns(self) -> int:
+        """First submission to last completion, in nanoseconds."""
+        return int(self._c.t_done_ns - self._c.t_submit_ns)
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._c.buf_index >= 0)
+
+    def error(self) -> BladedIOError | None:
+        """The failure of this transfer as an exception, or None."""
+        c = self._c
+        kind = c.err_kind
+        if kind == lib.BD_OK:
+            return None
+        what = f"{self.op.name.lower()} of {self.nbytes} bytes at LBA {self.slba}{self.describe_target}"
+        if kind == lib.BD_ERR_NVME:
+            return NVMeStatusError(int(c.err_value), int(c.err_slba), what)
+        if kind == lib.BD_ERR_SHORT:
+            return ShortTransferError(
+                errno.EIO,
+                f"{what}: short transfer, a command at LBA {int(c.err_slba)} moved only "
+                f"{int(c.err_value)} bytes (past the end of the backing store?)",
+            )
+        return errno_error(int(c.err_value), f"{what} (command at LBA {int(c.err_slba)})")
+
+    def raise_for_status(self) -> Transfer:
+        err = self.error()
+        if err is not None:
+            raise err
+        return self
+
+
+_memlock_warned = threading.Event()
+
+
+class Ring:
+    """An io_uring instance driven by the C engine; owned by one thread at a time."""
+
+    def __init__(self, queue_depth: int = 32, *, big_sqe: bool = False) -> None:
+        if not 1 <= queue_depth <= 4096:
+            raise ValueError(f"queue depth must be within 1..4096, got {queue_depth}")
+        err = ffi.new("int *")
+        ring = lib.bd_ring_new(queue_depth, 1 if big_sqe else 0, err)
+        if ring == ffi.NULL:
+            raise errno_error(-err[0], f"io_uring setup (depth {queue_depth}, big_sqe={big_sqe})")
+        self._ring: Any = ring
+        self.queue_depth = queue_depth
+        self.big_sqe = big_sqe
+        self.registered_buffers = 0
+        self._pending: dict[Any, Transfer] = {}
+        self._done = ffi.new("struct bd_xfer *[]", 256)
+
+    def register_buffers(self, buffers: Sequence[StagingBuffer]) -> bool:
+        """Register staging memory as fixed buffers; False (logged once) if the kernel refuses."""
+        if not buffers:
+            return False
+        addrs = ffi.new("void *[]", [ffi.cast("void *", b.address) for b in buffers])
+        lens = ffi.new("uint64_t[]", [b.nbytes for b in buffers])
+        ret = lib.bd_ring_register_buffers(self._ring, addrs, lens, len(buffers))
+        if ret < 0:
+            if not _memlock_warned.is_set():
+                _memlock_warned.set()
+                log.warning(
+                    "io_uring fixed-buffer registration failed (%s); using unregistered buffers. "
+                    "Raise RLIMIT_MEMLOCK (LimitMEMLOCK=) or grant CAP_IPC_LOCK to avoid the per-I/O pinning.",
+                    errno.errorcode.get(-ret, str(-ret)),
+                )
+            return False
+        self.registered_buffers = len(buffers)
+        return True
+
+    def unregister_buffers(self) -> None:
+        if self.registered_buffers:
+            lib.bd_ring_unregister_buffers(self._ring)
+            self.registered_buffers = 0
+
+    def submit(self, xfer: Transfer) -> None:
+        """Queue a transfer; it starts as soon as the ring has room."""
+        c = xfer._c
+        if self.registered_buffers and xfer.op in (Op.READ, Op.WRITE):
+            c.buf_index = lib.bd_ring_buffer_index(self._ring, c.buf, c.nbytes)
+        ret = lib.bd_enqueue(self._ring, c)
+        if ret < 0:
+            raise errno_error(-ret, "queueing a transfer")
+        self._pending[c] = xfer
+
+    @property
+    def outstanding(self) -> int:
+        return int(lib.bd_outstanding(self._ring))
+
+    def wait(self, min_done: int = 1) -> list[Transfer]:
+        """Drive the ring until ``min_done`` transfers completed; return those completed."""
+        n = lib.bd_progress(self._ring, min_done, self._done, len(self._done))
+        if n < 0:
+            raise errno_error(-n, "io_uring submit/wait")
+        return [self._pending.pop(self._done[i]) for i in range(n)]
+
+    def run(self, xfers: Iterable[Transfer]) -> list[Transfer]:
+        """Submit all and wait for all, keeping the queue full across them."""
+        xs = list(xfers)
+        for x in xs:
+            self.submit(x)
+        left = len(xs)
+        while left:
+            got = self.wait(1)
+            if not got:
+                raise BladedIOError(errno.EIO, "engine stalled with transfers outstanding")
+            left -= len(got)
+        return xs
+
+    def close(self) -> None:
+        if self._ring is not None:
+            if self._pending:
+                # drain: the kernel may still write into the buffers otherwise
+                while self.outstanding:
+                    self.wait(self.outstanding)
+            lib.bd_ring_free(self._ring)
+            self._ring = None
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover
+        if getattr(self, "_ring", None) is not None:
+            self.close()

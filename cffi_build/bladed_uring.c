@@ -1,0 +1,660 @@
+/*
+ * bladed_uring.c - submit/reap engine and syscall shims for bladed.
+ *
+ * Built against the system liburing (2.3 on Debian 12).  liburing 2.3 has no
+ * io_uring_prep_uring_cmd / io_uring_prep_cmd_discard, so the NVMe
+ * passthrough and block-discard SQEs are filled by hand here.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <linux/falloc.h>
+#include <linux/nvme_ioctl.h>
+#include <liburing.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bladed_uring.h"
+
+#ifndef BLOCK_URING_CMD_DISCARD
+#define BLOCK_URING_CMD_DISCARD _IO(0x12, 0)   /* kernel 6.12+ */
+#endif
+#ifndef IORING_URING_CMD_FIXED
+#define IORING_URING_CMD_FIXED (1U << 0)
+#endif
+#ifndef __NR_cachestat
+#define __NR_cachestat 451
+#endif
+
+#define NVME_CMD_WRITE 0x01
+#define NVME_CMD_READ 0x02
+#define NVME_CMD_WRITE_ZEROES 0x08
+#define NVME_CMD_DSM 0x09
+#define NVME_DSM_ATTR_DEALLOCATE (1U << 2)
+#define NVME_WZ_MAX_BLOCKS 65536u          /* NLB is a 16-bit, 0-based field */
+#define HUGE_2M (2u << 20)
+
+struct bd_dsm_range {                       /* NVMe DSM range: nlb is 1-based */
+    uint32_t cattr;
+    uint32_t nlb;
+    uint64_t slba;
+};
+
+struct bd_slot {                            /* one in-flight command */
+    struct bd_xfer *x;
+    uint64_t slba;
+    uint32_t len;                           /* payload bytes expected */
+    struct bd_dsm_range dsm;
+    int next_free;
+};
+
+struct bd_ring {
+    struct io_uring ring;
+    unsigned depth;
+    int big_sqe;
+    struct bd_slot *slots;
+    int free_head;
+    unsigned inflight;
+    struct bd_xfer *sub_head, *sub_tail;    /* transfers with chunks left to submit */
+    struct bd_xfer *done_head, *done_tail;  /* completed, not yet handed out */
+    unsigned outstanding;                   /* queued + in flight + done-not-returned */
+    struct iovec *bufs;
+    unsigned nbufs;
+};
+
+uint64_t bd_monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int *err)
+{
+    struct bd_ring *r;
+    struct io_uring_params p;
+    unsigned i;
+    int ret;
+
+    if (queue_depth == 0 || queue_depth > 4096) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    r = calloc(1, sizeof(*r));
+    if (!r) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    memset(&p, 0, sizeof(p));
+    if (big_sqe)
+        p.flags |= IORING_SETUP_SQE128 | IORING_SETUP_CQE32;
+    ret = io_uring_queue_init_params(queue_depth, &r->ring, &p);
+    if (ret < 0) {
+        free(r);
+        *err = ret;
+        return NULL;
+    }
+    r->depth = queue_depth;
+    r->big_sqe = big_sqe;
+    r->slots = calloc(queue_depth, sizeof(*r->slots));
+    if (!r->slots) {
+        io_uring_queue_exit(&r->ring);
+        free(r);
+        *err = -ENOMEM;
+        return NULL;
+    }
+    for (i = 0; i < queue_depth; i++)
+        r->slots[i].next_free = (i + 1 < queue_depth) ? (int)(i + 1) : -1;
+    r->free_head = 0;
+    *err = 0;
+    return r;
+}
+
+void bd_ring_free(struct bd_ring *r)
+{
+    if (!r)
+        return;
+    io_uring_queue_exit(&r->ring);
+    free(r->bufs);
+    free(r->slots);
+    free(r);
+}
+
+unsigned bd_ring_depth(struct bd_ring *r) { return r->depth; }
+
+int bd_ring_register_buffers(struct bd_ring *r, void **addrs, uint64_t *lens, unsigned n)
+{
+    struct iovec *iov;
+    unsigned i;
+    int ret;
+
+    if (r->nbufs)
+        return -EBUSY;
+    iov = calloc(n ? n : 1, sizeof(*iov));
+    if (!iov)
+        return -ENOMEM;
+    for (i = 0; i < n; i++) {
+        iov[i].iov_base = addrs[i];
+        iov[i].iov_len = lens[i];
+    }
+    ret = io_uring_register_buffers(&r->ring, iov, n);
+    if (ret < 0) {
+        free(iov);
+        return ret;
+    }
+    r->bufs = iov;
+    r->nbufs = n;
+    return 0;
+}
+
+int bd_ring_unregister_buffers(struct bd_ring *r)
+{
+    int ret;
+
+    if (!r->nbufs)
+        return 0;
+    if (r->inflight)
+        return -EBUSY;
+    ret = io_uring_unregister_buffers(&r->ring);
+    free(r->bufs);
+    r->bufs = NULL;
+    r->nbufs = 0;
+    return ret;
+}
+
+int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len)
+{
+    uintptr_t a = (uintptr_t)buf;
+    unsigned i;
+
+    for (i = 0; i < r->nbufs; i++) {
+        uintptr_t b = (uintptr_t)r->bufs[i].iov_base;
+        if (a >= b && a + len <= b + r->bufs[i].iov_len)
+            return (int)i;
+    }
+    return -1;
+}
+
+unsigned bd_outstanding(struct bd_ring *r) { return r->outstanding; }
+
+int bd_chunk_plan(uint64_t slba, uint64_t nbytes, uint32_t lba_shift, uint32_t max_chunk_bytes,
+                  uint64_t *slbas, uint32_t *nlbs, uint64_t *buf_offs, unsigned max_chunks)
+{
+    /* Eq. 7: chunk = align_down(MDTS, lba); Eq. 8: n_chunks, n_maxBlocks;
+     * Eq. 9-11: slba, 0-based nlb and dbuf offset of chunk N. */
+    uint64_t chunk = ((uint64_t)max_chunk_bytes >> lba_shift) << lba_shift;
+    uint64_t max_blocks, remain, n, i;
+
+    if (chunk == 0 || (nbytes & ((1ull << lba_shift) - 1)))
+        return -EINVAL;
+    max_blocks = chunk >> lba_shift;
+    n = (nbytes + chunk - 1) / chunk;
+    if (n > max_chunks)
+        return -E2BIG;
+    remain = nbytes >> lba_shift;
+    for (i = 0; i < n; i++) {
+        uint64_t blocks = remain < max_blocks ? remain : max_blocks;
+        slbas[i] = slba + i * max_blocks;
+        nlbs[i] = (uint32_t)(blocks - 1);
+        buf_offs[i] = i * chunk;
+        remain -= blocks;
+    }
+    return (int)n;
+}
+
+/* ---------------------------------------------------------------- queue -- */
+
+static void done_push(struct bd_ring *r, struct bd_xfer *x)
+{
+    x->t_done_ns = bd_monotonic_ns();
+    if (!x->t_submit_ns)
+        x->t_submit_ns = x->t_done_ns;
+    x->next = NULL;
+    if (r->done_tail)
+        r->done_tail->next = x;
+    else
+        r->done_head = x;
+    r->done_tail = x;
+}
+
+static void fail(struct bd_xfer *x, int kind, int value, uint64_t slba)
+{
+    if (x->err_kind == BD_OK) {
+        x->err_kind = kind;
+        x->err_value = value;
+        x->err_slba = slba;
+    }
+}
+
+int bd_enqueue(struct bd_ring *r, struct bd_xfer *x)
+{
+    uint32_t lba_mask;
+
+    if (!x->target || x->queued)
+        return -EINVAL;
+    lba_mask = (1u << x->target->lba_shift) - 1;
+    if (x->nbytes & lba_mask)
+        return -EINVAL;
+    if ((x->op == BD_OP_READ || x->op == BD_OP_WRITE) && x->target->max_chunk_bytes <= lba_mask)
+        return -EINVAL;
+    x->err_kind = BD_OK;
+    x->err_value = 0;
+    x->err_slba = 0;
+    x->n_chunks = 0;
+    x->t_submit_ns = 0;
+    x->t_done_ns = 0;
+    x->next_off = 0;
+    x->inflight = 0;
+    x->queued = 1;
+    x->next = NULL;
+    r->outstanding++;
+    if (x->nbytes == 0) {
+        done_push(r, x);
+        return 0;
+    }
+    if (r->sub_tail)
+        r->sub_tail->next = x;
+    else
+        r->sub_head = x;
+    r->sub_tail = x;
+    return 0;
+}
+
+/* Size of the next command of x, Eq. 7-10 (discard: bounded by max_discard_blocks). */
+static uint64_t next_chunk_len(const struct bd_xfer *x)
+{
+    const struct bd_target *t = x->target;
+    uint64_t remain = x->nbytes - x->next_off;
+    uint64_t cap;
+
+    if (x->op == BD_OP_READ || x->op == BD_OP_WRITE) {
+        cap = ((uint64_t)t->max_chunk_bytes >> t->lba_shift) << t->lba_shift;
+    } else {
+        uint64_t blocks = t->max_discard_blocks ? t->max_discard_blocks : 0xffffffffull;
+        if (t->kind == BD_KIND_NVME && x->op == BD_OP_WRITE_ZEROES && blocks > NVME_WZ_MAX_BLOCKS)
+            blocks = NVME_WZ_MAX_BLOCKS;
+        cap = blocks << t->lba_shift;
+    }
+    return remain < cap ? remain : cap;
+}
+
+static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slot *s, struct bd_xfer *x,
+                      uint64_t off)
+{
+    const struct bd_target *t = x->target;
+    struct nvme_uring_cmd *cmd = (struct nvme_uring_cmd *)sqe->cmd;
+    uint32_t nblocks = s->len >> t->lba_shift;
+
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = t->fd;
+    sqe->cmd_op = NVME_URING_CMD_IO;
+    cmd->nsid = t->nsid;
+    cmd->timeout_ms = t->timeout_ms;
+    switch (x->op) {
+    case BD_OP_READ:
+    case BD_OP_WRITE:
+        cmd->opcode = x->op == BD_OP_READ ? NVME_CMD_READ : NVME_CMD_WRITE;
+        cmd->addr = (uint64_t)(uintptr_t)((char *)x->buf + off);     /* Eq. 11 */
+        cmd->data_len = s->len;
+        cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);               /* Eq. 9 */
+        cmd->cdw11 = (uint32_t)(s->slba >> 32);
+        cmd->cdw12 = nblocks - 1;                                       /* Eq. 10 */
+        if (x->buf_index >= 0) {
+            sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
+            sqe->buf_index = (uint16_t)x->buf_index;
+        }
+        break;
+    case BD_OP_WRITE_ZEROES:
+        cmd->opcode = NVME_CMD_WRITE_ZEROES;
+        cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);
+        cmd->cdw11 = (uint32_t)(s->slba >> 32);
+        cmd->cdw12 = nblocks - 1;
+        break;
+    case BD_OP_DISCARD:
+        s->dsm.cattr = 0;
+        s->dsm.nlb = nblocks;                                           /* 1-based here */
+        s->dsm.slba = s->slba;
+        cmd->opcode = NVME_CMD_DSM;
+        cmd->addr = (uint64_t)(uintptr_t)&s->dsm;
+        cmd->data_len = sizeof(s->dsm);
+        cmd->cdw10 = 0;                                                 /* one range, 0-based */
+        cmd->cdw11 = NVME_DSM_ATTR_DEALLOCATE;
+        break;
+    }
+    (void)r;
+}
+
+static void prep_rw(struct io_uring_sqe *sqe, struct bd_slot *s, struct bd_xfer *x, uint64_t off)
+{
+    const struct bd_target *t = x->target;
+    uint64_t dev_off = s->slba << t->lba_shift;
+    void *p = (char *)x->buf + off;
+
+    switch (x->op) {
+    case BD_OP_READ:
+        if (x->buf_index >= 0)
+            io_uring_prep_read_fixed(sqe, t->fd, p, s->len, dev_off, x->buf_index);
+        else
+            io_uring_prep_read(sqe, t->fd, p, s->len, dev_off);
+        break;
+    case BD_OP_WRITE:
+        if (x->buf_index >= 0)
+            io_uring_prep_write_fixed(sqe, t->fd, p, s->len, dev_off, x->buf_index);
+        else
+            io_uring_prep_write(sqe, t->fd, p, s->len, dev_off);
+        break;
+    case BD_OP_WRITE_ZEROES:
+        io_uring_prep_fallocate(sqe, t->fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, dev_off, s->len);
+        break;
+    case BD_OP_DISCARD:
+        if (t->kind == BD_KIND_BLOCK) {
+            /* io_uring_prep_cmd_discard() of newer liburing, by hand */
+            io_uring_prep_rw(IORING_OP_URING_CMD, sqe, t->fd, NULL, 0, 0);
+            sqe->cmd_op = BLOCK_URING_CMD_DISCARD;
+            sqe->addr = dev_off;
+            sqe->addr3 = s->len;
+        } else {
+            io_uring_prep_fallocate(sqe, t->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, dev_off, s->len);
+        }
+        break;
+    }
+}
+
+/* Fill free slots from the submit list.  Returns the number of SQEs prepared. */
+static unsigned fill(struct bd_ring *r)
+{
+    unsigned n = 0;
+
+    while (r->sub_head && r->free_head >= 0) {
+        struct bd_xfer *x = r->sub_head;
+        struct io_uring_sqe *sqe;
+        struct bd_slot *s;
+        uint64_t len;
+        int idx;
+
+        if (x->err_kind != BD_OK || x->next_off >= x->nbytes) {
+            /* nothing more to submit for x: it completes when its chunks drain */
+            r->sub_head = x->next;
+            if (!r->sub_head)
+                r->sub_tail = NULL;
+            x->next = NULL;
+            if (x->inflight == 0)
+                done_push(r, x);
+            continue;
+        }
+        /* block discard through the ioctl is synchronous: do it here */
+        if (x->op == BD_OP_DISCARD && x->target->kind == BD_KIND_BLOCK &&
+            x->target->discard_mode == BD_DISCARD_IOCTL) {
+            uint64_t off = (x->slba << x->target->lba_shift) + x->next_off;
+            int ret;
+            if (!x->t_submit_ns)
+                x->t_submit_ns = bd_monotonic_ns();
+            ret = bd_blkdiscard(x->target->fd, off, x->nbytes - x->next_off);
+            x->n_chunks++;
+            if (ret < 0)
+                fail(x, BD_ERR_ERRNO, -ret, x->slba);
+            x->next_off = x->nbytes;
+            continue;
+        }
+        sqe = io_uring_get_sqe(&r->ring);
+        if (!sqe)
+            break;
+        memset(sqe, 0, r->big_sqe ? 128 : 64);     /* every byte of a 128-byte SQE */
+        idx = r->free_head;
+        s = &r->slots[idx];
+        r->free_head = s->next_free;
+        len = next_chunk_len(x);
+        s->x = x;
+        s->len = (uint32_t)len;
+        s->slba = x->slba + (x->next_off >> x->target->lba_shift);
+        if (x->target->kind == BD_KIND_NVME)
+            prep_nvme(sqe, r, s, x, x->next_off);
+        else
+            prep_rw(sqe, s, x, x->next_off);
+        io_uring_sqe_set_data64(sqe, (uint64_t)idx);
+        if (!x->t_submit_ns)
+            x->t_submit_ns = bd_monotonic_ns();
+        x->next_off += len;
+        x->inflight++;
+        x->n_chunks++;
+        r->inflight++;
+        n++;
+    }
+    return n;
+}
+
+static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
+{
+    int idx = (int)io_uring_cqe_get_data64(cqe);
+    struct bd_slot *s = &r->slots[idx];
+    struct bd_xfer *x = s->x;
+    int res = cqe->res;
+
+    if (x->target->kind == BD_KIND_NVME) {
+        /* res == 0 success, > 0 NVMe status, < 0 -errno */
+        if (res > 0)
+            fail(x, BD_ERR_NVME, res, s->slba);
+        else if (res < 0)
+            fail(x, BD_ERR_ERRNO, -res, s->slba);
+    } else if (res < 0) {
+        fail(x, BD_ERR_ERRNO, -res, s->slba);
+    } else if ((x->op == BD_OP_READ || x->op == BD_OP_WRITE) && (uint32_t)res != s->len) {
+        fail(x, BD_ERR_SHORT, res, s->slba);
+    }
+    s->x = NULL;
+    s->next_free = r->free_head;
+    r->free_head = idx;
+    r->inflight--;
+    x->inflight--;
+    if (x->inflight == 0 && (x->err_kind != BD_OK || x->next_off >= x->nbytes)) {
+        /* done, unless it still sits at the head of the submit list (error case) */
+        if (r->sub_head == x) {
+            r->sub_head = x->next;
+            if (!r->sub_head)
+                r->sub_tail = NULL;
+        } else if (x->next_off < x->nbytes) {
+            /* errored while not at the head: unlink from the submit list */
+            struct bd_xfer *p = r->sub_head;
+            while (p && p->next != x)
+                p = p->next;
+            if (p) {
+                p->next = x->next;
+                if (r->sub_tail == x)
+                    r->sub_tail = p;
+            }
+        }
+        done_push(r, x);
+    }
+}
+
+static unsigned reap(struct bd_ring *r)
+{
+    struct io_uring_cqe *cqe;
+    unsigned head, n = 0;
+
+    io_uring_for_each_cqe(&r->ring, head, cqe) {
+        complete(r, cqe);
+        n++;
+    }
+    io_uring_cq_advance(&r->ring, n);
+    return n;
+}
+
+static unsigned done_count(struct bd_ring *r)
+{
+    unsigned n = 0;
+    struct bd_xfer *x;
+
+    for (x = r->done_head; x; x = x->next)
+        n++;
+    return n;
+}
+
+int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, unsigned max_done)
+{
+    unsigned out = 0;
+
+    if (min_done > max_done)
+        min_done = max_done;
+    for (;;) {
+        unsigned prepared = fill(r);
+        unsigned have = done_count(r);
+        int ret;
+
+        if (have >= min_done || (r->inflight == 0 && !r->sub_head)) {
+            if (prepared) {
+                ret = io_uring_submit(&r->ring);
+                if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
+                    return ret;
+            }
+            break;
+        }
+        if (r->inflight == 0)
+            continue;   /* everything left was synchronous or already finished */
+        ret = io_uring_submit_and_wait(&r->ring, 1);
+        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
+            return ret;
+        reap(r);
+    }
+    reap(r);
+    while (out < max_done && r->done_head) {
+        struct bd_xfer *x = r->done_head;
+        r->done_head = x->next;
+        if (!r->done_head)
+            r->done_tail = NULL;
+        x->next = NULL;
+        x->queued = 0;
+        r->outstanding--;
+        done[out++] = x;
+    }
+    return (int)out;
+}
+
+int bd_run(struct bd_ring *r, struct bd_xfer *xfers, unsigned n)
+{
+    struct bd_xfer *done[64];
+    unsigned i, left = n;
+    int ret;
+
+    for (i = 0; i < n; i++) {
+        ret = bd_enqueue(r, &xfers[i]);
+        if (ret < 0)
+            return ret;
+    }
+    while (left) {
+        ret = bd_progress(r, 1, done, 64);
+        if (ret < 0)
+            return ret;
+        if (ret == 0)
+            return -EIO;   /* cannot happen: outstanding transfers always complete */
+        left -= (unsigned)ret;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------- syscalls, ioctls -- */
+
+int bd_nvme_ns_id(int fd)
+{
+    int ret = ioctl(fd, NVME_IOCTL_ID);
+    return ret < 0 ? -errno : ret;
+}
+
+int bd_nvme_identify(int fd, uint32_t nsid, uint32_t cns, void *buf4096)
+{
+    struct nvme_admin_cmd cmd;
+
+    memset(&cmd, 0, sizeof(cmd));
+    cmd.opcode = 0x06;
+    cmd.nsid = nsid;
+    cmd.addr = (uint64_t)(uintptr_t)buf4096;
+    cmd.data_len = 4096;
+    cmd.cdw10 = cns;
+    if (ioctl(fd, NVME_IOCTL_ADMIN_CMD, &cmd) < 0)
+        return -errno;
+    return (int)cmd.result >= 0 ? 0 : -EIO;
+}
+
+int bd_block_geometry(int fd, uint64_t *size_bytes, uint32_t *logical_block)
+{
+    int lbs = 0;
+
+    if (ioctl(fd, BLKGETSIZE64, size_bytes) < 0)
+        return -errno;
+    if (ioctl(fd, BLKSSZGET, &lbs) < 0)
+        return -errno;
+    *logical_block = (uint32_t)lbs;
+    return 0;
+}
+
+int bd_blkdiscard(int fd, uint64_t off, uint64_t len)
+{
+    uint64_t range[2] = {off, len};
+    return ioctl(fd, BLKDISCARD, range) < 0 ? -errno : 0;
+}
+
+int bd_fallocate(int fd, int mode, uint64_t off, uint64_t len)
+{
+    return fallocate(fd, mode, (off_t)off, (off_t)len) < 0 ? -errno : 0;
+}
+
+int bd_cachestat(int fd, uint64_t off, uint64_t len, uint64_t *out5)
+{
+    /* struct cachestat_range { u64 off, len }; struct cachestat { u64 x5 } */
+    uint64_t range[2] = {off, len};
+    long ret = syscall(__NR_cachestat, fd, range, out5, 0);
+    return ret < 0 ? -errno : 0;
+}
+
+int bd_sync_file_range(int fd, uint64_t off, uint64_t len, unsigned flags)
+{
+    return sync_file_range(fd, (off64_t)off, (off64_t)len, flags) < 0 ? -errno : 0;
+}
+
+void *bd_staging_alloc(uint64_t len, int *how)
+{
+    void *p;
+    size_t span;
+    uintptr_t a, aligned;
+
+    *how = 0;
+    if (len == 0)
+        return NULL;
+    if (len % HUGE_2M == 0) {
+        p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+        if (p != MAP_FAILED) {
+            *how = 2;
+            return p;
+        }
+    }
+    if (len < HUGE_2M) {
+        p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    /* over-map, trim to a 2 MiB boundary, ask for transparent huge pages */
+    span = len + HUGE_2M;
+    p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    a = (uintptr_t)p;
+    aligned = (a + HUGE_2M - 1) & ~((uintptr_t)HUGE_2M - 1);
+    if (aligned > a)
+        munmap(p, aligned - a);
+    if (a + span > aligned + len)
+        munmap((void *)(aligned + len), a + span - (aligned + len));
+    if (madvise((void *)aligned, len, MADV_HUGEPAGE) == 0)
+        *how = 1;
+    return (void *)aligned;
+}
+
+void bd_staging_free(void *p, uint64_t len)
+{
+    if (p)
+        munmap(p, len);
+}

@@ -1,0 +1,120 @@
+/*
+ * bladed_uring.h - the C surface of bladed's I/O engine.
+ *
+ * Only what must be C lives here: SQE preparation (including the NVMe
+ * passthrough command that liburing 2.3 has no helper for), the submit/reap
+ * loop that keeps the queue full across chunks and across consecutive
+ * transfers, and the few syscalls/ioctls that Python cannot reach cleanly.
+ * Everything else (validation, policy, error text) is Python.
+ *
+ * This file is read twice: by the C compiler, and (between the CDEF markers)
+ * by cffi as the declarations of the extension module.
+ */
+#ifndef BLADED_URING_H
+#define BLADED_URING_H
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+enum bd_op {
+    BD_OP_READ = 0,
+    BD_OP_WRITE = 1,
+    BD_OP_DISCARD = 2,        /* NVMe DSM deallocate / block discard / punch hole */
+    BD_OP_WRITE_ZEROES = 3    /* NVMe Write Zeroes / fallocate ZERO_RANGE */
+};
+
+enum bd_kind {
+    BD_KIND_FILE = 0,         /* regular file, O_DIRECT */
+    BD_KIND_BLOCK = 1,        /* block device, O_DIRECT */
+    BD_KIND_NVME = 2          /* NVMe generic char device, io_uring_cmd */
+};
+
+enum bd_err_kind {
+    BD_OK = 0,
+    BD_ERR_ERRNO = 1,         /* err_value = positive errno */
+    BD_ERR_NVME = 2,          /* err_value = NVMe status (sct << 8 | sc, + CRD/M/DNR bits) */
+    BD_ERR_SHORT = 3          /* err_value = bytes actually transferred by the chunk */
+};
+
+enum bd_discard_mode {
+    BD_DISCARD_URING_CMD = 0, /* BLOCK_URING_CMD_DISCARD (kernel 6.12+) */
+    BD_DISCARD_IOCTL = 1      /* BLKDISCARD, synchronous, from the reaping thread */
+};
+
+struct bd_target {
+    int fd;
+    int kind;                     /* enum bd_kind */
+    uint32_t nsid;                /* NVMe namespace id */
+    uint32_t lba_shift;           /* log2(LBA size) */
+    uint32_t max_chunk_bytes;     /* Eq. 7: per-command payload, LBA multiple */
+    uint32_t max_discard_blocks;  /* per discard / write-zeroes command */
+    uint32_t timeout_ms;          /* NVMe command timeout, 0 = driver default */
+    int discard_mode;             /* enum bd_discard_mode (block only) */
+};
+
+struct bd_xfer {
+    /* request, set by the caller */
+    const struct bd_target *target;
+    int op;                       /* enum bd_op */
+    int buf_index;                /* registered buffer index, -1 = unregistered */
+    uint64_t slba;                /* first LBA */
+    uint64_t nbytes;              /* payload, a multiple of the LBA size */
+    void *buf;                    /* host buffer (unused for discard/zeroes) */
+    uint64_t tag;                 /* opaque to the engine */
+    /* results, set by the engine */
+    int err_kind;                 /* enum bd_err_kind; first failure wins */
+    int err_value;
+    uint64_t err_slba;            /* first LBA of the failing chunk */
+    uint32_t n_chunks;            /* commands issued */
+    uint64_t t_submit_ns;         /* CLOCK_MONOTONIC at the first submission */
+    uint64_t t_done_ns;           /* CLOCK_MONOTONIC at the last completion */
+    /* engine-private */
+    uint64_t next_off;
+    uint32_t inflight;
+    int queued;
+    struct bd_xfer *next;
+};
+
+struct bd_ring;
+
+/* Ring lifecycle.  big_sqe != 0 sets SQE128|CQE32 (needed for NVMe). */
+struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int *err);
+void bd_ring_free(struct bd_ring *r);
+unsigned bd_ring_depth(struct bd_ring *r);
+int bd_ring_register_buffers(struct bd_ring *r, void **addrs, uint64_t *lens, unsigned n);
+int bd_ring_unregister_buffers(struct bd_ring *r);
+/* index of the registered buffer that holds [buf, buf+len), or -1 */
+int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len);
+
+/* Streaming interface: queue transfers, then drive the ring.  bd_progress
+ * keeps up to queue_depth commands in flight, moving straight from one
+ * transfer's last chunk to the next transfer's first, and returns when at
+ * least min_done transfers have completed (fewer only if nothing is left).
+ * Completed transfers are written to done[] (at most max_done; the rest stay
+ * for the next call).  Returns the count, or -errno if the ring failed. */
+int bd_enqueue(struct bd_ring *r, struct bd_xfer *x);
+int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, unsigned max_done);
+unsigned bd_outstanding(struct bd_ring *r);
+/* Convenience: enqueue n transfers and run them all to completion. */
+int bd_run(struct bd_ring *r, struct bd_xfer *xfers, unsigned n);
+
+/* Eq. 7-11 as the engine computes them (exposed for tests). */
+int bd_chunk_plan(uint64_t slba, uint64_t nbytes, uint32_t lba_shift, uint32_t max_chunk_bytes,
+                  uint64_t *slbas, uint32_t *nlbs, uint64_t *buf_offs, unsigned max_chunks);
+
+/* Syscalls and ioctls.  All return 0 or -errno. */
+int bd_nvme_ns_id(int fd);                              /* >0 nsid */
+int bd_nvme_identify(int fd, uint32_t nsid, uint32_t cns, void *buf4096);
+int bd_block_geometry(int fd, uint64_t *size_bytes, uint32_t *logical_block);
+int bd_blkdiscard(int fd, uint64_t off, uint64_t len);
+int bd_fallocate(int fd, int mode, uint64_t off, uint64_t len);
+int bd_cachestat(int fd, uint64_t off, uint64_t len, uint64_t *out5);
+int bd_sync_file_range(int fd, uint64_t off, uint64_t len, unsigned flags);
+
+/* Staging memory: page aligned, 2 MiB aligned and huge-page backed where the
+ * size allows.  *how: 2 = hugetlbfs, 1 = THP advised, 0 = plain pages. */
+void *bd_staging_alloc(uint64_t len, int *how);
+void bd_staging_free(void *p, uint64_t len);
+uint64_t bd_monotonic_ns(void);
+/* CDEF-END */
+
+#endif

