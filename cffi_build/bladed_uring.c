@@ -66,6 +66,7 @@ struct bd_ring {
     unsigned outstanding;                   /* queued + in flight + done-not-returned */
     struct iovec *bufs;
     unsigned nbufs;
+    uint64_t n_submitted, n_completed, max_inflight, n_waits;
 };
 
 uint64_t bd_monotonic_ns(void)
@@ -182,6 +183,14 @@ int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len)
 }
 
 unsigned bd_outstanding(struct bd_ring *r) { return r->outstanding; }
+
+void bd_ring_stats(struct bd_ring *r, uint64_t *out4)
+{
+    out4[0] = r->n_submitted;
+    out4[1] = r->n_completed;
+    out4[2] = r->max_inflight;
+    out4[3] = r->n_waits;
+}
 
 int bd_chunk_plan(uint64_t slba, uint64_t nbytes, uint32_t lba_shift, uint32_t max_chunk_bytes,
                   uint64_t *slbas, uint32_t *nlbs, uint64_t *buf_offs, unsigned max_chunks)
@@ -424,6 +433,9 @@ static unsigned fill(struct bd_ring *r)
         x->inflight++;
         x->n_chunks++;
         r->inflight++;
+        r->n_submitted++;
+        if (r->inflight > r->max_inflight)
+            r->max_inflight = r->inflight;
         n++;
     }
     return n;
@@ -451,6 +463,7 @@ static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
     s->next_free = r->free_head;
     r->free_head = idx;
     r->inflight--;
+    r->n_completed++;
     x->inflight--;
     if (x->inflight == 0 && (x->err_kind != BD_OK || x->next_off >= x->nbytes)) {
         /* done, unless it still sits at the head of the submit list (error case) */
@@ -517,6 +530,7 @@ int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, uns
         }
         if (r->inflight == 0)
             continue;   /* everything left was synchronous or already finished */
+        r->n_waits++;
         ret = io_uring_submit_and_wait(&r->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
             return ret;

@@ -94,6 +94,10 @@ int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len);
 int bd_enqueue(struct bd_ring *r, struct bd_xfer *x);
 int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, unsigned max_done);
 unsigned bd_outstanding(struct bd_ring *r);
+/* Counters since the ring was made: out[0] commands submitted, out[1]
+ * commands completed, out[2] highest number in flight at once, out[3]
+ * io_uring_enter calls that waited. */
+void bd_ring_stats(struct bd_ring *r, uint64_t *out4);
 /* Convenience: enqueue n transfers and run them all to completion. */
 int bd_run(struct bd_ring *r, struct bd_xfer *xfers, unsigned n);
 

@@ -94,7 +94,7 @@ class StagingBuffer:
         n = self.nbytes - offset if nbytes is None else nbytes
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise ValueError(f"view [{offset}, {offset + n}) outside a {self.nbytes}-byte buffer")
-        return memoryview(ffi.buffer(ffi.cast("char *", self.address + offset), n))  # type: ignore[arg-type]
+        return memoryview(ffi.buffer(ffi.cast("char *", self.address + offset), n))
 
     def close(self) -> None:
         """Unmap owned memory; idempotent."""
@@ -118,7 +118,7 @@ class StagingBuffer:
 class Transfer:
     """One request (a tensor, an index range, a discard) and, once done, its outcome."""
 
-    __slots__ = ("_c", "_keep", "op", "slba", "nbytes", "tag", "describe_target")
+    __slots__ = ("_c", "_keep", "describe_target", "nbytes", "op", "slba", "tag")
 
     def __init__(self, target: Any, op: Op, slba: int, nbytes: int, address: int, keep: Any,
                  tag: int = 0, describe_target: str = "") -> None:
@@ -237,6 +237,13 @@ class Ring:
     @property
     def outstanding(self) -> int:
         return int(lib.bd_outstanding(self._ring))
+
+    def stats(self) -> dict[str, int]:
+        """Engine counters: commands submitted/completed, peak in flight, waits."""
+        out = ffi.new("uint64_t[4]")
+        lib.bd_ring_stats(self._ring, out)
+        return {"submitted": int(out[0]), "completed": int(out[1]),
+                "max_inflight": int(out[2]), "waits": int(out[3])}
 
     def wait(self, min_done: int = 1) -> list[Transfer]:
         """Drive the ring until ``min_done`` transfers completed; return those completed."""

@@ -1,0 +1,61 @@
+"""Shared fixtures: real files, real loop devices (as root), staging memory."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from bladed.io import StagingBuffer
+
+# tests/vm runs inside the QEMU NVMe VM (driven by tests/test_nvme_vm.py)
+collect_ignore = ["vm"]
+
+
+@pytest.fixture
+def store_dir(tmp_path: pathlib.Path) -> str:
+    """A fresh directory on a filesystem that supports O_DIRECT (tmpfs does not:
+    then fall back to ``var/test`` inside the checkout)."""
+    if _supports_direct(str(tmp_path)):
+        return str(tmp_path)
+    base = pathlib.Path(__file__).resolve().parent.parent / "var" / "test"
+    base.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(dir=base)
+
+
+def _supports_direct(d: str) -> bool:
+    path = os.path.join(d, ".odirect-probe")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+
+
+@pytest.fixture
+def staging() -> Iterator[StagingBuffer]:
+    buf = StagingBuffer(8 << 20)
+    yield buf
+    buf.close()
+
+
+@pytest.fixture
+def loop_device(store_dir: str) -> Iterator[str]:
+    """A real loop device over a 64 MiB sparse file, detached afterwards."""
+    if os.geteuid() != 0:
+        pytest.fail("loop-device tests need root (run the suite as root, as CI does)")
+    backing = os.path.join(store_dir, "loop.img")
+    with open(backing, "wb") as f:
+        f.truncate(64 << 20)
+    dev = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", backing],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
