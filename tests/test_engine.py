@@ -237,3 +237,36 @@ def test_block_backend_refuses_a_regular_file(store_dir: str) -> None:
     open(path, "wb").close()
     with pytest.raises(BladedIOError, match="not a block device"):
         open_device("block", path)
+
+
+MEMLOCK_PROBE = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+from bladed.io import Engine, StagingBuffer
+from bladed.io.file import FileDevice
+dev = FileDevice(sys.argv[1], 16 << 20)
+bufs = [StagingBuffer(8 << 20), StagingBuffer(8 << 20)]
+bufs[0].view()[:] = b"x" * (8 << 20)
+for _ in range(2):
+    with Engine(dev, 8, bufs) as eng:
+        print("registered", eng.registered)
+        eng.write(0, bufs[0])
+        eng.read(0, bufs[1])
+print("round trip", bufs[1].view().tobytes() == bufs[0].view().tobytes())
+"""
+
+
+def test_registration_refused_by_memlock_falls_back_and_logs_once(store_dir: str) -> None:
+    """Without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK the kernel refuses
+    fixed buffers: the engine must keep working unregistered and say so once."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        ["setpriv", "--bounding-set=-ipc_lock", "prlimit", "--memlock=65536",
+         sys.executable, "-c", MEMLOCK_PROBE, os.path.join(store_dir, "ml.img")],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    assert out.count("fixed-buffer registration failed (ENOMEM)") == 1
+    assert out.count("registered False") == 2
+    assert "round trip True" in out
