@@ -1,0 +1,1 @@
+"""Command-line tools: ``bladectl`` (:mod:`bladed.cli.bladectl`)."""

@@ -1,0 +1,456 @@
+"""The client library used inside the inference process.
+
+::
+
+    with Client() as client, client.open_session(geometry, channels=2) as sess:
+        sess.slot(0)[:n] = k_bytes                      # staging slot of channel 0
+        sess.write(layer=3, kind="k", ch=0)             # whole KPU
+        res = sess.read(layer=3, kind="k", ch=0, token_start=10, ntokens=1)
+
+Staging memory is a sealed memfd created here and passed to the daemon with
+``SCM_RIGHTS``; both processes map the same pages, so the copy threads' GPU
+DMA and the daemon's NVMe DMA share one buffer (the paper's Co-DMA, §IV-B).
+With a CUDA-capable torch already imported the mapping is pinned with
+``cudaHostRegister``; on CPU it stays ordinary shared memory.
+
+Every request is asynchronous underneath (replies are matched by id), so
+copy threads on different channels overlap (overlap-intra, §IV-C).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bladed import __version__
+from bladed.config import default_socket_path
+from bladed.protocol import (
+    PROTOCOL_VERSION,
+    BadBody,
+    BadRequestError,
+    BladedError,
+    ConnectionClosed,
+    DaemonLostError,
+    FrameError,
+    FrameReader,
+    IncompatibleProtocolError,
+    NoSpaceError,
+    NoSuchSessionError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ProtocolError,
+    QuotaExceededError,
+    RemoteIOError,
+    ShuttingDownError,
+    error_from_reply,
+    hello_request,
+    send_frame,
+)
+
+log = logging.getLogger(__name__)
+
+MODES = ("baseline", "cachepolicy", "direct", "dualblade")
+DTYPE_BYTES = {"float8": 1, "fp8": 1, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
+               "float32": 4, "fp32": 4, "float": 4, "float64": 8, "fp64": 8}
+GEOMETRY_FIELDS = ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens")
+
+__all__ = [
+    "BadRequestError",
+    "BladedError",
+    "Client",
+    "DaemonLostError",
+    "IncompatibleProtocolError",
+    "NoSpaceError",
+    "NoSuchSessionError",
+    "OpResult",
+    "OutOfRangeError",
+    "PermissionDeniedError",
+    "ProtocolError",
+    "QuotaExceededError",
+    "RemoteIOError",
+    "Session",
+    "ShuttingDownError",
+    "geometry_dict",
+]
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """The outcome of one write or read."""
+
+    op: str
+    layer: int
+    kind: str
+    channel: int
+    path: str               # "pagecache" or "direct"
+    nbytes: int
+    service_ns: int         # measured by the daemon: first byte issued to last byte done
+    hit_ratio: float | None  # page-cache reads: fraction of the bytes already cached
+
+
+def geometry_dict(geometry: Any) -> dict[str, int]:
+    """The six geometry fields of a ``bladed.residency.Geometry``, a mapping or any
+    object with those attributes (``dtype`` by name is accepted for ``dtype_bytes``)."""
+    get: Callable[[str], Any]
+    if isinstance(geometry, Mapping):
+        src = dict(geometry)
+        get = src.get
+    else:
+        def get(name: str) -> Any:
+            return getattr(geometry, name, None)
+    out: dict[str, int] = {}
+    for name in GEOMETRY_FIELDS:
+        value = get(name)
+        if value is None and name == "dtype_bytes":
+            dtype = get("dtype")
+            value = DTYPE_BYTES.get(str(dtype).rsplit(".", 1)[-1].lower()) if dtype is not None else None
+            if dtype is not None and value is None:
+                raise ValueError(f"unknown dtype {dtype!r}: give dtype_bytes")
+        if value is None:
+            raise ValueError(f"geometry lacks {name!r}")
+        out[name] = int(value)
+    return out
+
+
+class Client:
+    """A connection to bladed.  Thread-safe: copy threads may share one client."""
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float | None = 30.0,
+                 name: str = "bladed.client") -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._timeout = timeout
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(self.socket_path)
+        except FileNotFoundError:
+            self._sock.close()
+            raise DaemonLostError(f"bladed is not running: no socket at {self.socket_path}") from None
+        except ConnectionRefusedError:
+            self._sock.close()
+            raise DaemonLostError(f"bladed is not running: {self.socket_path} refuses connections "
+                                  "(stale socket of a stopped daemon?)") from None
+        except PermissionError:
+            self._sock.close()
+            raise PermissionDeniedError(f"no permission to connect to {self.socket_path} "
+                                        "(socket.group / socket.mode in the daemon's config)") from None
+        except OSError as e:
+            self._sock.close()
+            raise DaemonLostError(f"cannot connect to bladed at {self.socket_path}: {e}") from None
+        self._reader = FrameReader(self._sock)
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self._pending_lock = threading.Lock()
+        self._lost: BladedError | None = None
+        self._sessions: dict[str, Session] = {}
+        self._closed = False
+        try:
+            self.server = self._handshake(name)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+        self._thread = threading.Thread(target=self._read_loop, name="bladed-client-reader", daemon=True)
+        self._thread.start()
+
+    # -- plumbing ----------------------------------------------------------------
+    def _handshake(self, name: str) -> dict[str, Any]:
+        try:
+            send_frame(self._sock, hello_request(0, f"{name}/{__version__}"))
+            frame = self._reader.read()
+        except (ConnectionClosed, OSError) as e:
+            raise DaemonLostError(f"bladed at {self.socket_path} closed the connection during the handshake "
+                                  f"({e or 'EOF'})") from None
+        except (FrameError, BadBody) as e:
+            raise ProtocolError(f"bad handshake reply from {self.socket_path}: {e}") from None
+        frame.close_fds()
+        reply = frame.body
+        if not reply.get("ok"):
+            raise error_from_reply(reply)
+        if reply.get("protocol") != PROTOCOL_VERSION:
+            raise IncompatibleProtocolError(
+                f"bladed speaks protocol {reply.get('protocol')}, this client {PROTOCOL_VERSION}")
+        return reply
+
+    def _read_loop(self) -> None:
+        err: BladedError
+        try:
+            while True:
+                frame = self._reader.read()
+                frame.close_fds()
+                req_id = frame.body.get("id")
+                with self._pending_lock:
+                    fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+                if fut is None:
+                    if req_id is None and not frame.body.get("ok", True):
+                        # an unsolicited error (e.g. shutting down) precedes a close
+                        log.warning("bladed: %s", frame.body.get("error"))
+                    continue
+                if frame.body.get("ok"):
+                    fut.set_result(frame.body)
+                else:
+                    fut.set_exception(error_from_reply(frame.body))
+        except ConnectionClosed:
+            err = DaemonLostError(f"lost connection to bladed at {self.socket_path} "
+                                  "(daemon stopped, crashed or restarted; reconnect with a new Client)")
+        except (FrameError, BadBody) as e:
+            err = ProtocolError(f"bad frame from bladed: {e}")
+        except OSError as e:
+            err = DaemonLostError(f"lost connection to bladed at {self.socket_path}: {e}")
+        if self._closed:
+            err = DaemonLostError("client is closed")
+        self._fail_all(err)
+
+    def _fail_all(self, err: BladedError) -> None:
+        with self._pending_lock:
+            self._lost = err
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def call_async(self, op: str, fds: tuple[int, ...] = (),
+                   **fields: Any) -> concurrent.futures.Future[dict[str, Any]]:
+        """Send one request; the future holds the reply body or the error as an exception."""
+        fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        req_id = next(self._ids)
+        with self._pending_lock:
+            if self._lost is not None:
+                raise self._lost
+            self._pending[req_id] = fut
+        try:
+            with self._send_lock:
+                send_frame(self._sock, {"op": op, "id": req_id, **fields}, fds)
+        except OSError as e:
+            with self._pending_lock:
+                self._pending.pop(req_id, None)
+            raise DaemonLostError(f"lost connection to bladed at {self.socket_path}: {e}") from None
+        return fut
+
+    def call(self, op: str, fds: tuple[int, ...] = (), **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply (raises the matching BladedError)."""
+        return self.call_async(op, fds, **fields).result(self._timeout)
+
+    # -- sessions ----------------------------------------------------------------
+    def open_session(self, geometry: Any, mode: str = "dualblade", channels: int = 2,
+                     staging_bytes: int | None = None, *, pin: bool | None = None) -> Session:
+        """Open a session: the daemon plans it (Algorithm 1) and binds its extents (Eq. 3-6).
+
+        ``staging_bytes`` defaults to one KPU-sized slot per channel; ``pin``
+        (None = when torch with CUDA is already imported) registers the
+        staging mapping with ``cudaHostRegister``.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if channels < 1:
+            raise ValueError(f"channels must be >= 1, got {channels}")
+        geo = geometry_dict(geometry)
+        kpu_bytes = geo["batch"] * geo["kv_heads"] * geo["head_dim"] * geo["dtype_bytes"] * geo["max_tokens"]
+        align = int(self.server.get("staging_align", 4096))
+        stride = -(-kpu_bytes // align) * align
+        need = stride * channels
+        if staging_bytes is None:
+            staging_bytes = need
+        if staging_bytes < need:
+            raise ValueError(f"staging_bytes {staging_bytes} is less than {channels} KPU-sized slots ({need} bytes)")
+        staging_bytes = -(-staging_bytes // align) * align
+        fd = os.memfd_create("bladed-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, staging_bytes)
+            # sealed so that neither side can shrink the memory under the other's DMA
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mapping = mmap.mmap(fd, staging_bytes)
+            try:
+                reply = self.call("open_session", (fd,), geometry=geo, mode=mode, channels=channels,
+                                  staging_bytes=staging_bytes)
+            except BaseException:
+                mapping.close()
+                raise
+        finally:
+            os.close(fd)
+        sess = Session(self, reply, mapping, pin)
+        self._sessions[sess.id] = sess
+        return sess
+
+    # -- daemon queries ------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return _strip(self.call("status"))
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return list(self.call("sessions")["sessions"])
+
+    def stats(self) -> dict[str, Any]:
+        return _strip(self.call("stats"))
+
+    def budget(self) -> dict[str, Any]:
+        return _strip(self.call("budget"))
+
+    def trim(self) -> dict[str, Any]:
+        """TRIM the whole region (refused while any session is open; admin only)."""
+        return _strip(self.call("trim"))
+
+    def close(self) -> None:
+        """Close every session of this client, then the connection."""
+        if self._closed:
+            return
+        for sess in list(self._sessions.values()):
+            with contextlib.suppress(BladedError):
+                sess.close()
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _strip(reply: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+
+class Session:
+    """One model's KV cache in bladed: its plan, its staging slots and its I/O."""
+
+    def __init__(self, client: Client, reply: dict[str, Any], mapping: mmap.mmap, pin: bool | None) -> None:
+        self.client = client
+        self.id: str = reply["session"]
+        self.plan: dict[str, Any] = reply["plan"]
+        layout = reply["layout"]
+        self.channels: int = int(layout["channels"])
+        self.token_bytes: int = int(layout["token_bytes"])
+        self.kpu_bytes: int = int(layout["kpu_bytes"])
+        self.max_tokens: int = int(layout["max_tokens"])
+        self.slot_stride: int = int(layout["slot_stride"])
+        self._mapping = mapping
+        self._view = memoryview(mapping)
+        self._closed = False
+        self.pinned = self._pin() if pin or (pin is None and _cuda_ready()) else False
+
+    def _pin(self) -> bool:
+        import torch  # only reached when torch is imported or pinning was asked for
+
+        if not torch.cuda.is_available():
+            return False
+        ptr = _address(self._mapping)
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, len(self._mapping), 0)
+        ok = int(rc) == 0 if not hasattr(rc, "value") else rc.value == 0
+        if not ok:
+            log.warning("cudaHostRegister of %d staging bytes failed (%s); GPU copies stay pageable",
+                        len(self._mapping), rc)
+        return ok
+
+    def slot(self, ch: int) -> memoryview:
+        """Channel ``ch``'s staging slot: one KPU, token ``t`` at ``t * token_bytes``."""
+        if not 0 <= ch < self.channels:
+            raise IndexError(f"channel {ch} outside 0..{self.channels - 1}")
+        if self._closed:
+            raise ValueError("session is closed")
+        start = ch * self.slot_stride
+        return self._view[start:start + self.kpu_bytes]
+
+    def kpu(self, layer: int, kind: str) -> dict[str, Any]:
+        """The plan entry of one KPU (its group, path and size)."""
+        for k in self.plan["kpus"]:
+            if k["layer"] == layer and k["kind"] == kind:
+                return dict(k)
+        raise KeyError(f"no KPU ({layer}, {kind!r}) in the plan")
+
+    def _io(self, op: str, layer: int, kind: str, ch: int, token_start: int,
+            ntokens: int | None) -> concurrent.futures.Future[OpResult]:
+        if self._closed:
+            raise ValueError("session is closed")
+        raw = self.client.call_async(op, session=self.id, layer=layer, kind=kind, channel=ch,
+                                     token_start=token_start, ntokens=ntokens)
+        out: concurrent.futures.Future[OpResult] = concurrent.futures.Future()
+
+        def done(f: concurrent.futures.Future[dict[str, Any]]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            r = f.result()
+            out.set_result(OpResult(op=op, layer=layer, kind=kind, channel=ch, path=r["path"],
+                                    nbytes=int(r["nbytes"]), service_ns=int(r["service_ns"]),
+                                    hit_ratio=r.get("hit_ratio")))
+
+        raw.add_done_callback(done)
+        return out
+
+    def write_async(self, layer: int, kind: str, ch: int, token_start: int = 0,
+                    ntokens: int | None = None) -> concurrent.futures.Future[OpResult]:
+        """Store tokens ``[token_start, token_start + ntokens)`` of KPU (layer, kind) from slot ``ch``."""
+        return self._io("write", layer, kind, ch, token_start, ntokens)
+
+    def read_async(self, layer: int, kind: str, ch: int, token_start: int = 0,
+                   ntokens: int | None = None) -> concurrent.futures.Future[OpResult]:
+        """Load tokens of KPU (layer, kind) into slot ``ch`` at the same offsets."""
+        return self._io("read", layer, kind, ch, token_start, ntokens)
+
+    def write(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> OpResult:
+        return self.write_async(layer, kind, ch, token_start, ntokens).result()
+
+    def read(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> OpResult:
+        return self.read_async(layer, kind, ch, token_start, ntokens).result()
+
+    def close(self) -> None:
+        """Free the session's extents (TRIM) and page-cache files; unmap the staging memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client._sessions.pop(self.id, None)
+        try:
+            # no timeout: queued requests of the session complete first, then the TRIM
+            self.client.call_async("close_session", session=self.id).result()
+        except (DaemonLostError, NoSuchSessionError):
+            pass  # the daemon already tore it down
+        finally:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(_address(self._mapping))
+            self.pinned = False
+        self._view.release()
+        try:
+            self._mapping.close()
+        except BufferError:
+            log.debug("staging views still exported; the mapping is freed when they are released")
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cuda_ready() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:  # a broken CUDA install must not break CPU use
+        return False
+
+
+def _address(mapping: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))

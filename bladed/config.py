@@ -1,0 +1,480 @@
+"""bladed's configuration: the model, the TOML loader and validation.
+
+Every key and its default is documented in ``docs/configuration.md`` and in
+``etc/bladed.toml``.  Without a config file the *embedded default* applies:
+a file-backed store, the page-cache directory and the socket, all under the
+state directory (``var/bladed`` relative to the working directory unless
+``--state-dir`` says otherwise), so ``python -m bladed.server`` runs anywhere.
+
+Relative paths in the file (``device.path``, ``pagecache.directory``,
+``socket.path``, ``metrics.listen = "unix:..."``) are taken relative to
+``daemon.state_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import grp
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+EMBEDDED_STATE_DIR = "var/bladed"
+SYSTEM_CONFIG = "/etc/bladed/bladed.toml"
+BACKENDS = ("file", "block", "nvme")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "text", "journal")
+SOCKET_PATH_MAX = 107  # sizeof(sun_path) - 1
+
+
+class ConfigError(ValueError):
+    """One or more configuration values are invalid; ``problems`` lists them all."""
+
+    def __init__(self, problems: list[str], source: str = "") -> None:
+        self.problems = problems
+        self.source = source
+        where = f"{source}: " if source else ""
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{where}invalid configuration ({len(problems)} problem"
+                         f"{'s' if len(problems) != 1 else ''}):\n{lines}")
+
+
+# -- the model ---------------------------------------------------------------
+@dataclass
+class DaemonConfig:
+    state_dir: str = EMBEDDED_STATE_DIR
+
+
+@dataclass
+class DeviceConfig:
+    backend: str = "file"
+    path: str = "kv-store.img"
+    #: file backend: size of the store file (created/extended at start); 0 = keep the existing size
+    size: int = 1 << 30
+    #: file: block size to use; block/nvme: the LBA size the device must have (0 = accept any)
+    lba_size: int = 0
+    region_start_lba: int = 0
+    #: 0 = from region_start_lba to the end of the device
+    region_blocks: int = 0
+    #: file/block backends: per-command payload (nvme: derived from MDTS)
+    max_command_bytes: int = 1 << 20
+
+
+@dataclass
+class PageCacheConfig:
+    directory: str = "pagecache"
+
+
+@dataclass
+class BudgetConfig:
+    #: fixed B_pc in bytes instead of Eq. 1-2 (None = measure)
+    override: int | None = None
+    #: upper bound on the measured B_pc (None = no cap)
+    cap: int | None = None
+    #: cgroup (v1 or v2 path) whose limits bound M_max; "" = the daemon's own
+    cgroup: str = ""
+    #: how often the budget terms are re-sampled for metrics and status (seconds)
+    interval_s: float = 5.0
+
+
+@dataclass
+class IOConfig:
+    queue_depth: int = 32
+    #: most worker channels (copy threads) one session may open
+    max_channels: int = 8
+    #: most requests queued on one channel before new ones get a ``busy`` error
+    max_outstanding: int = 256
+    #: a reply that cannot be sent within this time closes the connection
+    send_timeout_s: float = 30.0
+    #: most staging memory (all channels) one session may have the daemon map and pin
+    max_staging_bytes: int = 4 << 30
+
+
+@dataclass
+class SocketConfig:
+    path: str = "bladed.sock"
+    mode: int = 0o660
+    #: group owning the socket ("" = the daemon's primary group)
+    group: str = ""
+    max_connections: int = 64
+
+
+@dataclass
+class AccessConfig:
+    #: uids allowed besides root and the daemon's own uid
+    allowed_uids: list[int] = field(default_factory=list)
+    #: a peer whose primary or supplementary group is listed is allowed
+    allowed_gids: list[int] = field(default_factory=list)
+    #: uids that may run admin ops (trim) besides root
+    admin_uids: list[int] = field(default_factory=list)
+    #: bytes of KV store (both paths) one uid may hold across its sessions; 0 = unlimited
+    quota_bytes: int = 0
+    #: per-uid overrides of quota_bytes, keyed by uid
+    quota_bytes_per_uid: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class MetricsConfig:
+    enabled: bool = False
+    #: "HOST:PORT" (port 0: any free port, shown by ``bladectl status``) or "unix:PATH"
+    listen: str = "127.0.0.1:9477"
+
+
+@dataclass
+class LogConfig:
+    level: str = "info"
+    #: auto = journal when started by systemd (JOURNAL_STREAM set), else text
+    format: str = "auto"
+
+
+@dataclass
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    pagecache: PageCacheConfig = field(default_factory=PageCacheConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+    socket: SocketConfig = field(default_factory=SocketConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    #: where it was loaded from ("" = embedded default)
+    source: str = field(default="", compare=False)
+
+    # -- resolved paths --------------------------------------------------------
+    @property
+    def state_dir(self) -> str:
+        return os.path.abspath(self.daemon.state_dir)
+
+    def resolve(self, path: str) -> str:
+        """``path`` made absolute against the state directory."""
+        return os.path.normpath(os.path.join(self.state_dir, path))
+
+    @property
+    def device_path(self) -> str:
+        # block/nvme device nodes are given absolute; a relative name is a file under the state dir
+        return self.resolve(self.device.path)
+
+    @property
+    def pagecache_dir(self) -> str:
+        return self.resolve(self.pagecache.directory)
+
+    @property
+    def socket_path(self) -> str:
+        return self.resolve(self.socket.path)
+
+    @property
+    def metrics_target(self) -> tuple[str, str | tuple[str, int]]:
+        """("unix", path) or ("tcp", (host, port))."""
+        listen = self.metrics.listen
+        if listen.startswith("unix:"):
+            return "unix", self.resolve(listen[5:])
+        host, _, port = listen.rpartition(":")
+        return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def to_toml(self) -> str:
+        """The configuration as TOML that :func:`load_config` reads back identically."""
+        out: list[str] = []
+        for section, values in self.to_dict().items():
+            out.append(f"[{section}]")
+            for key, value in values.items():
+                if value is None:
+                    out.append(f"# {key} = (unset)")
+                    continue
+                out.append(f"{key} = {_toml_value(value, key)}")
+            out.append("")
+        return "\n".join(out)
+
+
+RELOADABLE = frozenset({"access", "budget", "log", "io.max_channels", "io.max_outstanding", "io.send_timeout_s",
+                        "io.max_staging_bytes"})
+
+
+def reload_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(keys applied by a reload, keys that need a restart) between two configs."""
+    applied: list[str] = []
+    restart: list[str] = []
+    a, b = old.to_dict(), new.to_dict()
+    for section in a:
+        for key in a[section]:
+            if a[section][key] == b[section][key]:
+                continue
+            name = f"{section}.{key}"
+            (applied if section in RELOADABLE or name in RELOADABLE else restart).append(name)
+    return applied, restart
+
+
+def _toml_value(value: Any, key: str = "") -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"0o{value:o}" if key == "mode" else str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f'"{k}" = {_toml_value(v)}' for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+# -- parsing -----------------------------------------------------------------
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string like ``"64M"``, ``"4 GiB"`` (binary units)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(m.group(1)) << _UNITS[m.group(2).lower()]
+    raise ValueError(f"expected a size in bytes (e.g. 4096, \"64M\", \"2GiB\"), got {value!r}")
+
+
+def format_size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+_SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "access.quota_bytes",
+              "io.max_staging_bytes"}
+
+
+def _coerce(section: str, key: str, value: Any, default: Any, problems: list[str]) -> Any:
+    """``value`` converted to the type of the field, or a problem recorded."""
+    name = f"{section}.{key}"
+    try:
+        if name in _SIZE_KEYS:
+            return parse_size(value)
+        if name == "socket.mode":
+            if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3,4}", value):
+                return int(value, 8)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise ValueError(f"expected an octal mode like 0o660 or \"0660\", got {value!r}")
+        if name == "access.quota_bytes_per_uid":
+            if not isinstance(value, dict):
+                raise ValueError("expected a table of uid = size")
+            out = {}
+            for uid, size in value.items():
+                if not str(uid).isdigit():
+                    raise ValueError(f"key {uid!r} is not a numeric uid")
+                out[int(uid)] = parse_size(size)
+            return out
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            return value
+        if isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"expected a number, got {value!r}")
+            return float(value)
+        if isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return value
+        if isinstance(default, str):
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+            return value
+        if isinstance(default, list):
+            if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"expected a list of integers, got {value!r}")
+            return list(value)
+    except ValueError as e:
+        problems.append(f"{name}: {e}")
+        return default
+    problems.append(f"{name}: unsupported value {value!r}")
+    return default
+
+
+def config_from_dict(data: dict[str, Any], source: str = "", state_dir: str | None = None) -> Config:
+    """Build and validate a Config from parsed TOML; raises ConfigError listing every problem."""
+    cfg = Config(source=source)
+    problems: list[str] = []
+    sections = {f.name: f for f in dataclasses.fields(Config) if f.name != "source"}
+    for section, values in data.items():
+        if section not in sections:
+            problems.append(f"unknown section [{section}]{_hint(section, sections)}")
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"[{section}] must be a table, got {values!r}")
+            continue
+        target = getattr(cfg, section)
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        for key, value in values.items():
+            if key not in fields:
+                problems.append(f"unknown key {section}.{key}{_hint(key, fields)}")
+                continue
+            default = getattr(target, key)
+            if default is None:  # optional sizes: override / cap
+                default = 0
+            setattr(target, key, _coerce(section, key, value, default, problems))
+    if state_dir is not None:
+        cfg.daemon.state_dir = state_dir
+    problems.extend(validate(cfg))
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _hint(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def load_config(path: str | None = None, *, state_dir: str | None = None) -> Config:
+    """Load ``path`` (None: the embedded default), with ``state_dir`` overriding ``daemon.state_dir``."""
+    if path is None:
+        return config_from_dict({}, "", state_dir)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"config file {path} does not exist"], path) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"not valid TOML: {e}"], path) from None
+    return config_from_dict(data, path, state_dir)
+
+
+def validate(cfg: Config) -> list[str]:
+    """Problems with values that need no device to check."""
+    p: list[str] = []
+    d = cfg.device
+    if d.backend not in BACKENDS:
+        p.append(f"device.backend: must be one of {', '.join(BACKENDS)}, got {d.backend!r}")
+    if not d.path:
+        p.append("device.path: must name the store file, block device or /dev/ngXnY")
+    elif d.backend in ("block", "nvme") and not os.path.isabs(d.path):
+        p.append(f"device.path: a {d.backend} device must be an absolute /dev path, got {d.path!r}")
+    if d.lba_size and (d.lba_size < 512 or d.lba_size & (d.lba_size - 1)):
+        p.append(f"device.lba_size: must be 0 or a power of two >= 512, got {d.lba_size}")
+    if d.region_start_lba < 0:
+        p.append(f"device.region_start_lba: must be >= 0, got {d.region_start_lba}")
+    if d.region_blocks < 0:
+        p.append(f"device.region_blocks: must be >= 0 (0 = to the end), got {d.region_blocks}")
+    if d.backend == "file":
+        lba = d.lba_size or 4096
+        if lba > 4096:
+            # staging slots are page aligned, and the engine needs LBA-aligned buffer addresses
+            p.append(f"device.lba_size: the file backend supports 512 to 4096, got {lba}")
+        if d.size and d.size % lba:
+            p.append(f"device.size: {d.size} is not a multiple of the {lba}-byte LBA")
+    if d.max_command_bytes < 4096:
+        p.append(f"device.max_command_bytes: must be at least 4096, got {d.max_command_bytes}")
+    if not cfg.pagecache.directory:
+        p.append("pagecache.directory: must not be empty")
+    b = cfg.budget
+    if b.interval_s <= 0:
+        p.append(f"budget.interval_s: must be positive, got {b.interval_s}")
+    if b.override is not None and b.cap is not None and b.override > b.cap:
+        p.append(f"budget.override ({b.override}) is larger than budget.cap ({b.cap})")
+    io = cfg.io
+    if not 1 <= io.queue_depth <= 4096:
+        p.append(f"io.queue_depth: must be within 1..4096, got {io.queue_depth}")
+    if not 1 <= io.max_channels <= 64:
+        p.append(f"io.max_channels: must be within 1..64, got {io.max_channels}")
+    if io.max_outstanding < 1:
+        p.append(f"io.max_outstanding: must be >= 1, got {io.max_outstanding}")
+    if io.max_staging_bytes < 4096:
+        p.append(f"io.max_staging_bytes: must be at least 4096, got {io.max_staging_bytes}")
+    if io.send_timeout_s <= 0:
+        p.append(f"io.send_timeout_s: must be positive, got {io.send_timeout_s}")
+    s = cfg.socket
+    if not s.path:
+        p.append("socket.path: must not be empty")
+    elif len(cfg.socket_path.encode()) > SOCKET_PATH_MAX:
+        p.append(f"socket.path: {cfg.socket_path} is {len(cfg.socket_path.encode())} bytes, "
+                 f"longer than the {SOCKET_PATH_MAX} a Unix socket address allows")
+    if not 0 <= s.mode <= 0o777:
+        p.append(f"socket.mode: must be a permission mode within 0o000..0o777, got {oct(s.mode)}")
+    if s.group:
+        try:
+            group_id(s.group)
+        except KeyError:
+            p.append(f"socket.group: no group named {s.group!r} on this host")
+    if s.max_connections < 1:
+        p.append(f"socket.max_connections: must be >= 1, got {s.max_connections}")
+    a = cfg.access
+    for name in ("allowed_uids", "allowed_gids", "admin_uids"):
+        bad = [v for v in getattr(a, name) if v < 0]
+        if bad:
+            p.append(f"access.{name}: ids must be >= 0, got {bad}")
+    m = cfg.metrics
+    if m.listen.startswith("unix:"):
+        if not m.listen[5:]:
+            p.append("metrics.listen: unix: needs a path")
+    else:
+        _host, sep, port = m.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+            p.append(f"metrics.listen: expected HOST:PORT or unix:PATH, got {m.listen!r}")
+    if cfg.log.level not in LOG_LEVELS:
+        p.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
+    if cfg.log.format not in LOG_FORMATS:
+        p.append(f"log.format: must be one of {', '.join(LOG_FORMATS)}, got {cfg.log.format!r}")
+    return p
+
+
+def group_id(group: str) -> int:
+    """A gid from a group name or a numeric string (KeyError if unknown)."""
+    if group.isdigit():
+        return int(group)
+    return grp.getgrnam(group).gr_gid
+
+
+def validate_device(cfg: Config, *, lba_size: int, capacity_blocks: int, path: str) -> list[str]:
+    """Problems between the configuration and the opened device's geometry."""
+    p = []
+    d = cfg.device
+    if d.lba_size and d.backend != "file" and d.lba_size != lba_size:
+        p.append(f"device.lba_size: {path} has {lba_size}-byte LBAs but the configuration requires "
+                 f"{d.lba_size} (reformat the namespace, e.g. `bladectl ns setup --format`, or change lba_size)")
+    if d.region_start_lba >= capacity_blocks:
+        p.append(f"device.region_start_lba: {d.region_start_lba} is past the end of {path} "
+                 f"({capacity_blocks} blocks of {lba_size} bytes)")
+    elif d.region_start_lba + d.region_blocks > capacity_blocks:
+        p.append(f"device.region_blocks: region [{d.region_start_lba}, {d.region_start_lba + d.region_blocks}) "
+                 f"runs past the end of {path} ({capacity_blocks} blocks of {lba_size} bytes)")
+    return p
+
+
+def region_of(cfg: Config, capacity_blocks: int) -> tuple[int, int]:
+    """(start LBA, blocks) of the configured region on a device of ``capacity_blocks``."""
+    start = cfg.device.region_start_lba
+    blocks = cfg.device.region_blocks or max(0, capacity_blocks - start)
+    return start, blocks
+
+
+def default_socket_path() -> str:
+    """Where a client looks for bladed: ``$BLADED_SOCKET``, else the socket of
+    ``/etc/bladed/bladed.toml`` if that exists, else the embedded default."""
+    env = os.environ.get("BLADED_SOCKET")
+    if env:
+        return env
+    if os.path.exists(SYSTEM_CONFIG):
+        try:
+            return load_config(SYSTEM_CONFIG).socket_path
+        except ConfigError:
+            pass
+    return load_config(None).socket_path

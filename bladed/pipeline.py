@@ -1,0 +1,297 @@
+"""Adaptive pipeline parallelism (Dual-Blade §IV-C), independent of any model.
+
+A layer's KV load is a list of jobs, one per copy thread (thread 1 K, thread 2
+V). Each job is a storage *read* into the thread's own staging slot followed by
+a *DMA* from the slot to the compute device. The DMA engine is one resource:
+H2D copies are serialised (one copy engine; on CUDA, one copy stream).
+
+Strategies:
+
+* ``intra`` (overlap-intra): all threads read storage in parallel, the DMAs
+  follow one at a time.
+* ``cross`` (overlap-cross): staggered start; thread i+1's read starts when
+  thread i's read finishes, so it overlaps thread i's DMA on the other
+  hardware path.
+* ``off``: no pipeline parallelism; read, DMA, read, DMA one after another.
+
+``AdaptivePipeline(mode="adaptive")`` runs decode iteration 1 as a warm-up,
+measures iteration 2 under overlap-intra and iteration 3 under overlap-cross,
+and fixes, separately for each group (1 = page-cache path, 2 = NVMe-direct),
+the strategy with the higher measured throughput for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+Strategy = Literal["intra", "cross", "off"]
+PipelineMode = Literal["adaptive", "intra", "cross", "off"]
+PIPELINE_MODES: tuple[str, ...] = ("adaptive", "intra", "cross", "off")
+
+T = TypeVar("T")
+
+WARMUP_ITER = 1
+INTRA_ITER = 2
+CROSS_ITER = 3
+
+
+class CopyThread:
+    """A real thread with a FIFO of jobs; it owns staging slot ``index``."""
+
+    def __init__(self, index: int, name: str = "bladed-copy") -> None:
+        self.index = index
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-{index}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+
+class CopyThreadPool:
+    """``n`` copy threads; thread ``i`` owns staging slot ``i`` of every backend."""
+
+    def __init__(self, n: int = 2, name: str = "bladed-copy") -> None:
+        if n < 1:
+            raise ValueError("need at least one copy thread")
+        self.threads = [CopyThread(i, name) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.threads)
+
+    def submit(self, ch: int, fn: Callable[[], T]) -> Future[T]:
+        return self.threads[ch % len(self.threads)].submit(fn)
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run."""
+        for f in [t.submit(lambda: None) for t in self.threads]:
+            f.result()
+
+    def close(self) -> None:
+        for t in self.threads:
+            t.close()
+
+
+@dataclass
+class LoadJob:
+    """One thread's share of a layer load: storage -> slot, then slot -> device."""
+
+    read: Callable[[], Any]
+    dma: Callable[[], Any]
+    nbytes: int
+
+
+@dataclass
+class LoadHandle:
+    """The in-flight load of one layer; ``result()`` gives the DMA results in job order."""
+
+    group: int
+    strategy: Strategy
+    nbytes: int
+    futures: list[Future[Any]] = field(default_factory=list)
+    t_start: int = 0
+    t_end: int = 0
+    read_results: list[Any] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def result(self) -> list[Any]:
+        return [f.result() for f in self.futures]
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def _mark(self, start: int | None = None, end: int | None = None) -> None:
+        with self._lock:
+            if start is not None and (self.t_start == 0 or start < self.t_start):
+                self.t_start = start
+            if end is not None and end > self.t_end:
+                self.t_end = end
+
+    @property
+    def span_ns(self) -> int:
+        return max(0, self.t_end - self.t_start)
+
+
+@dataclass
+class GroupSample:
+    nbytes: int = 0
+    ns: int = 0
+    loads: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.ns if self.ns else 0.0
+
+
+class AdaptivePipeline:
+    """Schedules layer loads on the copy threads under the current strategy.
+
+    Call :meth:`begin_iteration` with the decode iteration number (0 = prefill,
+    1 = first decode step), submit loads with :meth:`load`, and call
+    :meth:`end_iteration` when the step is over.
+    """
+
+    def __init__(self, pool: CopyThreadPool, mode: PipelineMode = "adaptive",
+                 dma_lock: threading.Lock | None = None) -> None:
+        if mode not in PIPELINE_MODES:
+            raise ValueError(f"pipeline mode {mode!r} not in {PIPELINE_MODES}")
+        self.pool = pool
+        self.mode: PipelineMode = mode
+        self.dma_lock = dma_lock or threading.Lock()
+        self.iteration = 0
+        self.decision: dict[int, Strategy] = {}
+        self.samples: dict[int, dict[int, GroupSample]] = {}  # iteration -> group -> sample
+        self._cur: dict[int, GroupSample] = {}
+        self._pending: list[LoadHandle] = []
+
+    # -- strategy --------------------------------------------------------
+    def strategy_for(self, group: int) -> Strategy:
+        if self.mode != "adaptive":
+            return self.mode
+        if self.iteration == CROSS_ITER:
+            return "cross"
+        if self.iteration > CROSS_ITER:
+            return self.decision.get(group, "intra")
+        return "intra"  # prefill, warm-up, and the overlap-intra trial
+
+    def begin_iteration(self, it: int) -> None:
+        self.iteration = it
+        self._cur = {}
+        self._pending = []
+
+    def end_iteration(self) -> None:
+        for h in self._pending:
+            h.result()
+            s = self._cur.setdefault(h.group, GroupSample())
+            s.nbytes += h.nbytes
+            s.ns += h.span_ns
+            s.loads += 1
+        self.samples[self.iteration] = self._cur
+        self._pending = []
+        if self.mode == "adaptive" and self.iteration == CROSS_ITER:
+            intra = self.samples.get(INTRA_ITER, {})
+            cross = self.samples.get(CROSS_ITER, {})
+            for g in sorted(set(intra) & set(cross)):
+                self.decision[g] = "cross" if cross[g].gbps > intra[g].gbps else "intra"
+
+    # -- scheduling ------------------------------------------------------
+    def load(self, jobs: Sequence[LoadJob], group: int) -> LoadHandle:
+        """Submit one layer's jobs (job i on copy thread i)."""
+        strategy = self.strategy_for(group)
+        h = LoadHandle(group=group, strategy=strategy, nbytes=sum(j.nbytes for j in jobs))
+        n = len(jobs)
+        read_done = [threading.Event() for _ in range(n)]
+        all_done = [threading.Event() for _ in range(n)]
+        dma_lock = self.dma_lock
+        h.read_results = [None] * n
+
+        def run(i: int, job: LoadJob) -> Any:
+            try:
+                if i > 0 and strategy == "cross":
+                    read_done[i - 1].wait()
+                elif i > 0 and strategy == "off":
+                    all_done[i - 1].wait()
+                t0 = time.perf_counter_ns()
+                h._mark(start=t0)
+                h.read_results[i] = job.read()
+                read_done[i].set()
+                with dma_lock:
+                    out = job.dma()
+                h._mark(end=time.perf_counter_ns())
+                return out
+            finally:
+                read_done[i].set()
+                all_done[i].set()
+
+        for i, job in enumerate(jobs):
+            h.futures.append(self.pool.submit(i, _bind(run, i, job)))
+        if self.iteration > 0:
+            self._pending.append(h)
+        return h
+
+    def report(self) -> dict[str, Any]:
+        """The decision and the measured per-group throughputs (GB/s) of the trial iterations."""
+        def row(it: int) -> dict[str, float]:
+            return {str(g): round(s.gbps, 4) for g, s in sorted(self.samples.get(it, {}).items())}
+
+        out: dict[str, Any] = {"mode": self.mode,
+                               "decision": {str(g): s for g, s in sorted(self.decision.items())}}
+        if self.mode == "adaptive":
+            out["intra_GBps"] = row(INTRA_ITER)
+            out["cross_GBps"] = row(CROSS_ITER)
+        out["per_iteration_GBps"] = {str(it): row(it) for it in sorted(self.samples) if it > 0}
+        return out
+
+
+def _bind(fn: Callable[[int, LoadJob], Any], i: int, job: LoadJob) -> Callable[[], Any]:
+    return lambda: fn(i, job)
+
+
+class TorchDma:
+    """The H2D step. CPU: a tensor copy. CUDA: a copy on a separate stream, waited on with an event.
+
+    ``copy(fn)`` runs ``fn`` (which issues the copies) and returns once the
+    copies are complete, so the staging slot can be reused.
+    """
+
+    def __init__(self, device: Any = "cpu") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._streams: dict[int, Any] = {}
+        self._torch = torch
+
+    def stream(self) -> Any:
+        if not self.cuda:
+            return None
+        tid = threading.get_ident()
+        s = self._streams.get(tid)
+        if s is None:
+            s = self._streams[tid] = self._torch.cuda.Stream(device=self.device)
+        return s
+
+    def run(self, fn: Callable[[], T]) -> T:
+        if not self.cuda:
+            return fn()
+        torch = self._torch
+        s = self.stream()
+        with torch.cuda.stream(s):
+            out = fn()
+            ev = torch.cuda.Event()
+            ev.record(s)
+        ev.synchronize()
+        return out
+
+
+__all__ = ["PIPELINE_MODES", "AdaptivePipeline", "CopyThread", "CopyThreadPool", "GroupSample", "LoadHandle",
+           "LoadJob", "PipelineMode", "Strategy", "TorchDma"]

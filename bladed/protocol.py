@@ -1,0 +1,328 @@
+"""The wire format between ``bladed`` and its clients (see ``docs/protocol.md``).
+
+A connection is a Unix stream socket carrying *frames*.  Each frame is an
+8-byte header followed by a JSON object::
+
+    offset 0  2 bytes  magic b"BD"
+    offset 2  u8       frame format (FRAME_FORMAT = 1)
+    offset 3  u8       flags (0; reserved)
+    offset 4  u32 LE   body length in bytes (at most MAX_FRAME_BYTES)
+    offset 8  ...      body: UTF-8 JSON object
+
+File descriptors (the client's staging memfd) ride along as ``SCM_RIGHTS``
+ancillary data on the first byte of the frame that needs them.  Every
+request carries an ``op`` and a client-chosen integer ``id``; every reply
+carries the same ``id`` and ``ok``.  The first request on a connection must
+be ``hello``, which fixes the protocol version.
+
+Shared by the server and the client; imports nothing from either.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import enum
+import json
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: version of the request/reply vocabulary; bumped on any incompatible change
+PROTOCOL_VERSION = 1
+#: oldest client protocol this build still serves
+MIN_PROTOCOL_VERSION = 1
+#: version of the 8-byte frame header itself
+FRAME_FORMAT = 1
+MAGIC = b"BD"
+HEADER = struct.Struct("<2sBBI")
+#: largest body accepted in either direction; larger frames close the connection
+MAX_FRAME_BYTES = 1 << 20
+#: most descriptors accepted with one frame
+MAX_FDS = 4
+
+#: the requests of protocol 1 (docs/protocol.md has one section per op)
+OPS = (
+    "hello", "open_session", "close_session", "write", "read",
+    "status", "sessions", "stats", "budget", "trim",
+)
+
+
+class ErrorCode(enum.StrEnum):
+    """Machine-readable ``error.code`` of a failed reply."""
+
+    BAD_FRAME = "bad_frame"                      # framing broken: connection closed after the reply
+    BAD_REQUEST = "bad_request"                  # a field is missing, of the wrong type or out of range
+    UNKNOWN_OP = "unknown_op"
+    HANDSHAKE_REQUIRED = "handshake_required"    # first request was not hello: connection closed
+    INCOMPATIBLE_PROTOCOL = "incompatible_protocol"  # connection closed
+    PERMISSION_DENIED = "permission_denied"
+    NO_SUCH_SESSION = "no_such_session"          # unknown id, or a session of another connection
+    OUT_OF_RANGE = "out_of_range"                # layer / kind / channel / token range outside the session
+    QUOTA_EXCEEDED = "quota_exceeded"
+    NO_SPACE = "no_space"                        # the region has no extent large enough
+    BUSY = "busy"                                # too many outstanding requests, or sessions open (trim)
+    IO_ERROR = "io_error"                        # the device or the page-cache file failed
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+# -- exceptions (raised by the client, named after the error codes) ----------
+class BladedError(Exception):
+    """Base class of every error the client library raises."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class ProtocolError(BladedError):
+    """The peer broke the wire format (bad frame, bad JSON, unexpected reply)."""
+
+    code = ErrorCode.BAD_FRAME
+
+
+class IncompatibleProtocolError(BladedError):
+    """The daemon and the client speak different protocol versions."""
+
+    code = ErrorCode.INCOMPATIBLE_PROTOCOL
+
+
+class PermissionDeniedError(BladedError, PermissionError):
+    """The peer's uid/gid is not allowed, or the op needs an admin."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class NoSuchSessionError(BladedError):
+    code = ErrorCode.NO_SUCH_SESSION
+
+
+class BadRequestError(BladedError, ValueError):
+    """A request field was missing, mistyped or out of range."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class OutOfRangeError(BadRequestError):
+    code = ErrorCode.OUT_OF_RANGE
+
+
+class QuotaExceededError(BladedError):
+    code = ErrorCode.QUOTA_EXCEEDED
+
+
+class NoSpaceError(BladedError):
+    code = ErrorCode.NO_SPACE
+
+
+class BusyError(BladedError):
+    code = ErrorCode.BUSY
+
+
+class RemoteIOError(BladedError, OSError):
+    """The daemon's device or page-cache I/O failed for this request."""
+
+    code = ErrorCode.IO_ERROR
+
+
+class ShuttingDownError(BladedError):
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class DaemonLostError(BladedError, ConnectionError):
+    """The connection to bladed broke (daemon stopped, crashed or restarted)."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+_ERROR_CLASSES: dict[ErrorCode, type[BladedError]] = {
+    ErrorCode.BAD_FRAME: ProtocolError,
+    ErrorCode.BAD_REQUEST: BadRequestError,
+    ErrorCode.UNKNOWN_OP: BadRequestError,
+    ErrorCode.HANDSHAKE_REQUIRED: ProtocolError,
+    ErrorCode.INCOMPATIBLE_PROTOCOL: IncompatibleProtocolError,
+    ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
+    ErrorCode.NO_SUCH_SESSION: NoSuchSessionError,
+    ErrorCode.OUT_OF_RANGE: OutOfRangeError,
+    ErrorCode.QUOTA_EXCEEDED: QuotaExceededError,
+    ErrorCode.NO_SPACE: NoSpaceError,
+    ErrorCode.BUSY: BusyError,
+    ErrorCode.IO_ERROR: RemoteIOError,
+    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
+    ErrorCode.INTERNAL: BladedError,
+}
+
+
+def error_from_reply(reply: dict[str, Any]) -> BladedError:
+    """The exception for a reply with ``ok: false``."""
+    raw_err = reply.get("error")
+    err: dict[str, Any] = raw_err if isinstance(raw_err, dict) else {}
+    raw = str(err.get("code", "internal"))
+    message = str(err.get("message", "request failed"))
+    try:
+        code = ErrorCode(raw)
+    except ValueError:
+        return BladedError(f"{message} [{raw}]")
+    return _ERROR_CLASSES[code](message, code)
+
+
+class RequestError(Exception):
+    """Raised inside the daemon to turn into an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# -- frames ------------------------------------------------------------------
+class FrameError(Exception):
+    """The byte stream is not a valid frame sequence: the connection cannot continue."""
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the connection at a frame boundary."""
+
+
+@dataclass
+class Frame:
+    """One received frame: its decoded body and any descriptors that came with it."""
+
+    body: dict[str, Any]
+    fds: list[int] = field(default_factory=list)
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """Header + compact JSON for ``body``."""
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return HEADER.pack(MAGIC, FRAME_FORMAT, 0, len(data)) + data
+
+
+def send_frame(sock: socket.socket, body: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send one frame (and ``fds`` as SCM_RIGHTS with its first byte)."""
+    data = encode(body)
+    if fds:
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+class FrameReader:
+    """Reads frames from a stream socket, collecting passed descriptors."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.max_bytes = max_bytes
+        self._fds: list[int] = []
+        self._anc = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+    def _recv_exact(self, n: int, *, at_boundary: bool) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            nbytes, anc, flags, _ = self.sock.recvmsg_into([view[got:]], self._anc, socket.MSG_CMSG_CLOEXEC)
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                    self._fds.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                self._drop_fds()
+                raise FrameError(f"more than {MAX_FDS} descriptors passed with one frame")
+            if nbytes == 0:
+                if got == 0 and at_boundary:
+                    raise ConnectionClosed()
+                raise FrameError(f"connection closed in the middle of a frame ({got} of {n} bytes)")
+            got += nbytes
+        return bytes(buf)
+
+    def _drop_fds(self) -> None:
+        Frame({}, self._fds).close_fds()
+        self._fds = []
+
+    def read(self) -> Frame:
+        """The next frame; raises ConnectionClosed at EOF, FrameError on garbage."""
+        head = self._recv_exact(HEADER.size, at_boundary=True)
+        magic, fmt, _flags, length = HEADER.unpack(head)
+        try:
+            if magic != MAGIC:
+                raise FrameError(f"bad frame magic {magic!r} (not a bladed client?)")
+            if fmt != FRAME_FORMAT:
+                raise FrameError(f"frame format {fmt} not supported (this side speaks {FRAME_FORMAT})")
+            if length > self.max_bytes:
+                raise FrameError(f"frame of {length} bytes exceeds the {self.max_bytes}-byte limit")
+            raw = self._recv_exact(length, at_boundary=False)
+        except BaseException:
+            self._drop_fds()
+            raise
+        fds, self._fds = self._fds, []
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            Frame({}, fds).close_fds()
+            raise BadBody(f"frame body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            Frame({}, fds).close_fds()
+            raise BadBody(f"frame body must be a JSON object, got {type(body).__name__}")
+        return Frame(body, fds)
+
+
+class BadBody(Exception):
+    """A well-framed message whose body is not a JSON object (the stream is still in sync)."""
+
+
+# -- request field checking ---------------------------------------------------
+_MISSING: Any = object()
+
+
+def get_field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = _MISSING,
+              minimum: Any = None, maximum: Any = None,
+              choices: Sequence[Any] | None = None) -> Any:
+    """A typed field of a request, or RequestError(BAD_REQUEST) naming the problem."""
+    if name not in body or body[name] is None:
+        if default is _MISSING:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"missing field {name!r}")
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int in Python; JSON true is not a number
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {names}, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be <= {maximum}, got {value}")
+    if choices is not None and value not in choices:
+        raise RequestError(ErrorCode.BAD_REQUEST,
+                           f"field {name!r} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def ok_reply(req_id: Any, **fields: Any) -> dict[str, Any]:
+    return {"id": req_id, "ok": True, **fields}
+
+
+def error_reply(req_id: Any, code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"id": req_id, "ok": False, "error": {"code": code.value, "message": message}}
+
+
+def hello_request(req_id: int, client: str) -> dict[str, Any]:
+    return {"op": "hello", "id": req_id, "protocol": PROTOCOL_VERSION, "client": client}

@@ -1,0 +1,124 @@
+"""Model geometry: how many bytes one KV Placement Unit (KPU) takes.
+
+A KPU is one layer's K or one layer's V tensor, shaped ``(max_tokens, B*H, D)``
+(paper §IV-A, footnote on Fig. 2).  One token of one KPU is ``B*H*D*e`` bytes
+(Table II): the minimal I/O unit of a decode-step append.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: (layers, KV heads, head dim) of the models the paper evaluates (Table II).
+MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
+    "opt-1.3b": (24, 32, 64),
+    "opt-6.7b": (32, 32, 128),
+    "opt-13b": (40, 40, 128),
+}
+
+_DTYPE_SIZES = (1, 2, 4, 8)
+PAGE_SIZE = 4096
+
+
+def align_up(n: int, unit: int) -> int:
+    """The smallest multiple of ``unit`` that is >= ``n``."""
+    return -(-n // unit) * unit
+
+
+def check_lba_size(lba_size: int) -> int:
+    """Raise unless ``lba_size`` is a power of two from 512 to 64 KiB (what NVMe formats offer)."""
+    if isinstance(lba_size, bool) or not isinstance(lba_size, int):
+        raise TypeError(f"LBA size must be an int, got {type(lba_size).__name__}")
+    if lba_size < 512 or lba_size > 65536 or lba_size & (lba_size - 1):
+        raise ValueError(f"LBA size must be a power of two from 512 to 65536 bytes, got {lba_size}")
+    return lba_size
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The KV-cache shape of one session.
+
+    ``kv_heads`` is the number of K/V heads (smaller than the query heads for
+    GQA/MQA models); ``max_tokens`` is prompt plus generation length.
+    """
+
+    layers: int
+    batch: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Geometry.{name} must be an int, got {type(value).__name__} ({value!r})")
+            if value <= 0:
+                raise ValueError(f"Geometry.{name} must be positive, got {value}")
+        if self.dtype_bytes not in _DTYPE_SIZES:
+            raise ValueError(
+                f"Geometry.dtype_bytes must be one of {', '.join(map(str, _DTYPE_SIZES))} "
+                f"(fp8 / fp16-bf16 / fp32 / fp64), got {self.dtype_bytes}"
+            )
+
+    @classmethod
+    def for_model(cls, model: str, *, batch: int, max_tokens: int, dtype_bytes: int = 2) -> Geometry:
+        """The geometry of a model named in :data:`MODEL_SHAPES` (e.g. ``opt-6.7b``)."""
+        try:
+            layers, heads, head_dim = MODEL_SHAPES[model.lower()]
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}: known are {', '.join(sorted(MODEL_SHAPES))}") from None
+        return cls(layers=layers, batch=batch, kv_heads=heads, head_dim=head_dim,
+                   dtype_bytes=dtype_bytes, max_tokens=max_tokens)
+
+    @property
+    def token_bytes(self) -> int:
+        """One token of one K or V tensor: ``B*H*D*e`` (Table II)."""
+        return self.batch * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def row_elems(self) -> int:
+        """Elements in one token row (``B*H*D``)."""
+        return self.batch * self.kv_heads * self.head_dim
+
+    @property
+    def kpu_bytes(self) -> int:
+        """One K or V tensor at full length (``S_kpu`` of Algorithm 1, ``M_pin`` of Eq. 2)."""
+        return self.token_bytes * self.max_tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        """The whole KV cache of the session: ``2 * L * S_kpu``."""
+        return 2 * self.layers * self.kpu_bytes
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The target shape ``(d0, d1, d2) = (max_tokens, B*H, D)`` of one KPU (Algorithm 2)."""
+        return (self.max_tokens, self.batch * self.kv_heads, self.head_dim)
+
+    def token_stride(self, lba_size: int) -> int:
+        """Bytes between consecutive tokens of a KPU on an LBA extent.
+
+        Equals :attr:`token_bytes` when the alignment precondition of §IV-B
+        holds; otherwise each token row is padded to the next LBA multiple so
+        that every one-token append still starts and ends on a block boundary.
+        """
+        return align_up(self.token_bytes, check_lba_size(lba_size))
+
+    def aligned(self, lba_size: int) -> bool:
+        """The §IV-B precondition: one token of a KPU is a whole number of LBAs."""
+        return self.token_bytes % check_lba_size(lba_size) == 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "layers": self.layers,
+            "batch": self.batch,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype_bytes": self.dtype_bytes,
+            "max_tokens": self.max_tokens,
+            "token_bytes": self.token_bytes,
+            "kpu_bytes": self.kpu_bytes,
+            "kv_bytes": self.kv_bytes,
+        }

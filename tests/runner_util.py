@@ -1,0 +1,107 @@
+"""Helpers for the runner / pipeline / HF tests: tiny models, the HF oracle, a throttled backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from bladed.runner.kvstore import Kind, KVGeometry, KVOp, MemoryKV
+from bladed.runner.models import DecoderModel, ModelConfig, hf_config, tiny_config
+
+CONFIGS: dict[str, ModelConfig] = {
+    "opt": tiny_config("opt", layers=3, hidden=64, heads=4),
+    "llama-gqa": tiny_config("llama", layers=4, hidden=64, heads=4, kv_heads=2),
+}
+
+
+def hf_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A random-weight transformers model for ``cfg`` (eager attention, inference only)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="eager")
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def runner_model(hf: Any) -> DecoderModel:
+    return DecoderModel.from_hf(hf)
+
+
+def prompt(cfg: ModelConfig, batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, cfg.vocab_size, (batch, length), generator=g)
+
+
+def hf_greedy(hf: Any, ids: torch.Tensor, gen_len: int, **kw: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' own greedy generation: (new tokens [batch, gen_len], raw logits per step)."""
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                      do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences[:, ids.shape[1]:], [x.float() for x in out.logits]
+
+
+class Path:
+    """A modelled storage path with a deterministic service time per byte.
+
+    ``shared=False``: requests proceed independently (several device queues).
+    ``shared=True``: one saturated device; requests are served one at a time
+    and a request that finds another one in flight pays ``contention`` times
+    the service time (the thrashing of Figure 16).
+    """
+
+    def __init__(self, ns_per_byte: float, shared: bool = False, contention: float = 1.0) -> None:
+        self.ns_per_byte = ns_per_byte
+        self.shared = shared
+        self.contention = contention
+        self._busy = threading.Lock()
+        self._state = threading.Lock()
+        self._inflight = 0
+
+    def serve(self, nbytes: int) -> None:
+        with self._state:
+            self._inflight += 1
+            contended = self._inflight > 1
+        try:
+            cost = nbytes * self.ns_per_byte * (self.contention if contended else 1.0) / 1e9
+            if self.shared:
+                with self._busy:
+                    time.sleep(cost)  # modelled device service time (not synchronisation)
+            else:
+                time.sleep(cost)
+        finally:
+            with self._state:
+                self._inflight -= 1
+
+
+class ThrottledKV(MemoryKV):
+    """``MemoryKV`` whose reads go through a modelled path per group (layers < n1: group 1)."""
+
+    def __init__(self, geometry: KVGeometry, paths: dict[int, Path], n1: int, channels: int = 2) -> None:
+        super().__init__(geometry, channels, groups={j: 1 if j < n1 else 2 for j in range(geometry.layers)})
+        self.paths = paths
+
+    def read(self, layer: int, kind: Kind, ch: int, token_start: int = 0, ntokens: int | None = None) -> KVOp:
+        op = super().read(layer, kind, ch, token_start, ntokens)
+        path = self.paths.get(self.group(layer, kind))
+        if path is not None:
+            path.serve(op.nbytes)
+        return KVOp("pagecache" if self.group(layer, kind) == 1 else "direct", op.nbytes, op.service_ns, None)
+
+
+def run(model: DecoderModel, ids: torch.Tensor, gen_len: int, factory: Any = None, **policy: Any) -> Any:
+    """Generate with the runner; KV offloaded to ``factory``'s backends (default: ``MemoryKV``)."""
+    from bladed.runner.engine import Policy, Runner
+
+    policy.setdefault("gpu_batch_size", ids.shape[0] // policy.get("num_gpu_batches", 1))
+    fac = factory or (lambda g: MemoryKV(g))
+    return Runner(model, Policy(**policy), kv_factory=fac).generate(ids, gen_len)
+
+
+def assert_same(a: Any, b_tokens: torch.Tensor, b_logits: list[torch.Tensor]) -> None:
+    assert torch.equal(a.tokens, b_tokens)
+    assert len(a.logits) == len(b_logits)
+    for x, y in zip(a.logits, b_logits, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)

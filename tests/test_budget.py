@@ -1,0 +1,336 @@
+"""The page-cache budget (Eq. 1-2) against real child memory cgroups, and the
+cgroup discovery against fake cgroupfs trees for the layouts this host lacks.
+
+The live tests create a child memory cgroup under our own (v1 on this hybrid
+build machine, v2 where that is what charges us), put a worker process in it
+that allocates real anonymous and shmem memory, and compare every term of
+the breakdown with the kernel's own files.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+from typing import Any
+
+import pytest
+from cgroup_util import ChildCgroup, Worker, read_stat
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bladed.residency.budget import (
+    Budgeter,
+    cgroup_from_path,
+    locate_memory_cgroup,
+    parse_mountinfo,
+    parse_proc_cgroup,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def kernel_anon_shmem(cg: ChildCgroup) -> tuple[int, int]:
+    """(anon, shmem) of a cgroup as its memory.stat says (hierarchical totals)."""
+    s = read_stat(cg.path)
+    if cg.version == "v1":
+        return s["total_rss"], s["total_shmem"]
+    return s["anon"], s["shmem"]
+
+
+@pytest.fixture
+def loaded_cgroup():
+    """A 256 MiB child cgroup holding a worker with 48 MiB anon and 32 MiB shmem."""
+    cg = ChildCgroup(limit_bytes=256 * MiB)
+    w = Worker(cg)
+    try:
+        w.call("anon", nbytes=48 * MiB)
+        w.call("shmem", nbytes=32 * MiB)
+        yield cg, w
+    finally:
+        w.close()
+        cg.remove()
+
+
+# -- live cgroups ---------------------------------------------------------------------------
+
+def test_own_cgroup_is_found_on_this_host() -> None:
+    info = locate_memory_cgroup()
+    text = pathlib.Path("/proc/self/cgroup").read_text()
+    v1, _ = parse_proc_cgroup(text)
+    if v1 is not None:
+        # hybrid or v1: the v1 memory line decides even though a 0:: line exists
+        assert info.version == "v1" and info.path.endswith(v1.rstrip("/"))
+        assert os.path.exists(os.path.join(info.path, "memory.limit_in_bytes"))
+    else:
+        assert info.version in ("v2", "none")
+
+
+@pytest.mark.root
+def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
+    cg, w = loaded_cgroup
+    budgeter = Budgeter(n_threads=2, m_pin=8 * MiB, pid=w.pid)
+    before = kernel_anon_shmem(cg)
+    b = budgeter.sample()
+    after = kernel_anon_shmem(cg)
+    assert before == after, "the idle worker's charges moved during the sample"
+    anon, shmem = after
+    assert b.cgroup == cg.path and b.cgroup_version == cg.version
+    assert b.m_max == 256 * MiB and b.limited and b.m_max_source.startswith(cg.path)
+    assert (b.m_anon, b.m_shmem) == (anon, shmem)
+    assert b.m_anon_shmem == anon + shmem
+    assert shmem >= 32 * MiB and anon >= 48 * MiB          # what the worker really holds
+    assert b.m_star == min(b.m_avail, 256 * MiB - anon - shmem)          # Eq. 1
+    assert b.binding == "cgroup"                                          # 24 GiB host, 256 MiB limit
+    assert b.b_pc == max(0, b.m_star - 2 * 8 * MiB) == b.b_pc_computed    # Eq. 2
+    # page cache (file, shmem excluded) is reported, not subtracted
+    s = read_stat(cg.path)
+    assert b.m_file == (s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"])
+
+
+@pytest.mark.root
+def test_budget_follows_a_changed_limit(loaded_cgroup: Any) -> None:
+    cg, _ = loaded_cgroup
+    budgeter = Budgeter(n_threads=2, m_pin=8 * MiB, cgroup_path=cg.path)
+    first = budgeter.sample()
+    cg.set_limit(192 * MiB)
+    second = budgeter.sample()
+    anon, shmem = kernel_anon_shmem(cg)
+    assert second.m_max == 192 * MiB
+    assert second.b_pc == 192 * MiB - anon - shmem - 16 * MiB
+    assert first.b_pc - second.b_pc == 64 * MiB + (second.m_anon_shmem - first.m_anon_shmem)
+    cg.set_limit(80 * MiB + 16 * MiB)          # at or below anon+shmem+pins: nothing left for the cache
+    assert budgeter.sample().b_pc == 0
+
+
+@pytest.mark.root
+def test_smallest_ancestor_limit_wins(loaded_cgroup: Any) -> None:
+    cg, w = loaded_cgroup
+    inner = ChildCgroup(parent=cg)             # no limit of its own
+    inner.add(w.pid)
+    b = Budgeter(n_threads=1, m_pin=0, pid=w.pid).sample()
+    assert b.cgroup == inner.path
+    assert b.m_max == 256 * MiB and b.m_max_source.startswith(cg.path)
+    inner.set_limit(512 * MiB)                 # looser than the parent: still the parent's
+    assert Budgeter(n_threads=1, m_pin=0, pid=w.pid).sample().m_max == 256 * MiB
+    inner.set_limit(200 * MiB)
+    assert Budgeter(n_threads=1, m_pin=0, pid=w.pid).sample().m_max == 200 * MiB
+
+
+@pytest.mark.root
+def test_override_and_cap(loaded_cgroup: Any) -> None:
+    cg, _ = loaded_cgroup
+    free = Budgeter(2, 8 * MiB, cgroup_path=cg.path).sample()
+    fixed = Budgeter(2, 8 * MiB, override_bytes=1 * GiB, cgroup_path=cg.path).sample()
+    assert fixed.b_pc == GiB and fixed.b_pc_computed == free.b_pc_computed and fixed.override_bytes == GiB
+    capped = Budgeter(2, 8 * MiB, cap_bytes=10 * MiB, cgroup_path=cg.path).sample()
+    assert capped.b_pc == 10 * MiB and capped.cap_bytes == 10 * MiB
+    loose = Budgeter(2, 8 * MiB, cap_bytes=10 * GiB, cgroup_path=cg.path).sample()
+    assert loose.b_pc == loose.b_pc_computed
+    assert "capped" in capped.describe() and "override" in fixed.describe()
+    d = capped.to_dict()
+    for key in ("m_avail", "m_max", "m_anon_shmem", "m_star", "n_threads", "m_pin", "b_pc", "cgroup",
+                "cgroup_version", "override_bytes", "cap_bytes", "sampled_at"):
+        assert key in d
+
+
+@pytest.mark.root
+def test_thread_reports_a_limit_change(loaded_cgroup: Any) -> None:
+    cg, _ = loaded_cgroup
+    got: list[Any] = []
+    changed = threading.Event()
+
+    def on_change(b: Any) -> None:
+        got.append(b)
+        changed.set()
+
+    budgeter = Budgeter(2, 8 * MiB, cgroup_path=cg.path, hysteresis_bytes=16 * MiB)
+    budgeter.start(interval_s=0.05, on_change=on_change)
+    try:
+        start = budgeter.last
+        assert start is not None
+        cg.set_limit(160 * MiB)
+        assert changed.wait(30), "the periodic sample did not report the new limit"
+    finally:
+        budgeter.stop()
+    assert got[0].m_max == 160 * MiB and got[0].b_pc < start.b_pc - 64 * MiB
+    assert budgeter.stats["changes"] >= 1
+
+
+@pytest.mark.root
+def test_memory_pressure_wakes_the_sampler(loaded_cgroup: Any, tmp_path: pathlib.Path) -> None:
+    cg, w = loaded_cgroup
+    woke = threading.Event()
+    budgeter = Budgeter(2, 8 * MiB, cgroup_path=cg.path, pressure_level="low")
+
+    def on_sample(b: Any) -> None:
+        if b.reason == "pressure":
+            woke.set()
+
+    budgeter.start(interval_s=600, on_sample=on_sample)     # the period alone would not fire
+    try:
+        assert any(s.startswith("v1-pressure-level") or s.startswith("psi:") for s in budgeter.sources)
+        # push twice the limit through the page cache: reclaim in the cgroup
+        w.call("write_file", path=str(tmp_path / "big"), nbytes=512 * MiB)
+        assert woke.wait(30), f"no pressure event (sources: {budgeter.sources})"
+    finally:
+        budgeter.stop()
+    assert budgeter.stats["pressure"] >= 1
+
+
+@pytest.mark.root
+def test_stop_is_idempotent_and_start_twice_fails(loaded_cgroup: Any) -> None:
+    cg, _ = loaded_cgroup
+    b = Budgeter(1, 0, cgroup_path=cg.path)
+    b.stop()
+    b.start(interval_s=10)
+    if os.path.exists("/proc/pressure/memory"):
+        # PSI triggers are armed (the kernel rejects windows that are not 2 s multiples without CAP_SYS_RESOURCE)
+        assert any(s.startswith("psi:") for s in b.sources), b.sources
+    if cg.version == "v1":
+        assert any(s.startswith("v1-pressure-level:") for s in b.sources), b.sources
+    with pytest.raises(RuntimeError):
+        b.start(interval_s=10)
+    b.stop()
+    b.stop()
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ProcessLookupError):
+        Budgeter(1, 0, pid=2**22 + 12345)
+    with pytest.raises(FileNotFoundError):
+        Budgeter(1, 0, cgroup_path="/nonexistent/cgroup")
+    with pytest.raises(ValueError):
+        Budgeter(-1, 0)
+    with pytest.raises(ValueError):
+        Budgeter(1, 0, cap_bytes=-5)
+
+
+# -- fake cgroupfs trees -----------------------------------------------------------------------
+
+def _fake_tree(root: pathlib.Path, *, cgroup: str, mountinfo: str, files: dict[str, str],
+               meminfo: str = "MemTotal: 16777216 kB\nAnonPages: 1048576 kB\nShmem: 65536 kB\n"
+                              "Cached: 2097152 kB\n") -> pathlib.Path:
+    proc = root / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "pressure").mkdir()
+    (proc / "pressure" / "memory").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "self" / "mountinfo").write_text(mountinfo)
+    (proc / "meminfo").write_text(meminfo)
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return proc
+
+
+def _v2_tree(root: pathlib.Path, *, leaf_max: str = "max", leaf_high: str = "max", parent_max: str = "max",
+             parent_high: str = "max", anon: int = 100 * MiB, shmem: int = 20 * MiB,
+             file: int = 300 * MiB) -> pathlib.Path:
+    cg = root / "cg2"
+    files = {
+        "cg2/cgroup.procs": "", "cg2/cgroup.controllers": "cpu io memory pids\n",
+        "cg2/system.slice/cgroup.procs": "", "cg2/system.slice/memory.max": parent_max + "\n",
+        "cg2/system.slice/memory.high": parent_high + "\n",
+        "cg2/system.slice/bladed.service/cgroup.procs": "1234\n",
+        "cg2/system.slice/bladed.service/cgroup.controllers": "memory\n",
+        "cg2/system.slice/bladed.service/memory.max": leaf_max + "\n",
+        "cg2/system.slice/bladed.service/memory.high": leaf_high + "\n",
+        "cg2/system.slice/bladed.service/memory.pressure": "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+        "cg2/system.slice/bladed.service/memory.stat":
+            f"anon {anon}\nfile {file}\nkernel 4096000\nshmem {shmem}\nfile_mapped 0\n",
+    }
+    return _fake_tree(root, cgroup="0::/system.slice/bladed.service\n",
+                      mountinfo=f"30 1 0:26 / {cg} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n", files=files)
+
+
+def test_v2_parser_on_a_fake_tree(tmp_path: pathlib.Path) -> None:
+    proc = _v2_tree(tmp_path, leaf_max="2147483648", parent_high="1610612736")
+    info = locate_memory_cgroup(proc_root=str(proc))
+    assert info.version == "v2" and info.path == str(tmp_path / "cg2/system.slice/bladed.service")
+    assert info.pressure_file == os.path.join(info.path, "memory.pressure")
+    b = Budgeter(2, 64 * MiB, proc_root=str(proc), mem_available=lambda: 8 * GiB,
+                 mem_total=lambda: 16 * GiB).sample()
+    assert b.cgroup_version == "v2"
+    assert b.m_max == 1536 * MiB                              # parent's memory.high is the tightest
+    assert b.m_max_source.endswith("system.slice/memory.high")
+    assert b.m_anon_shmem == 120 * MiB                        # anon + shmem; file (which holds shmem) is not added
+    assert b.m_file == 280 * MiB and b.m_kernel == 4096000
+    assert b.m_star == 1536 * MiB - 120 * MiB and b.binding == "cgroup"
+    assert b.b_pc == b.m_star - 128 * MiB
+
+
+def test_v2_unlimited_uses_host_memory(tmp_path: pathlib.Path) -> None:
+    proc = _v2_tree(tmp_path)
+    b = Budgeter(2, 64 * MiB, proc_root=str(proc), mem_available=lambda: 3 * GiB,
+                 mem_total=lambda: 16 * GiB).sample()
+    assert not b.limited and b.m_max == 16 * GiB and b.m_max_source == "host MemTotal"
+    assert b.m_star == 3 * GiB and b.binding == "m_avail"
+
+
+def test_hybrid_fake_prefers_the_v1_memory_controller(tmp_path: pathlib.Path) -> None:
+    v1 = tmp_path / "v1mem"
+    files = {
+        "v1mem/cgroup.procs": "", "v1mem/memory.limit_in_bytes": "9223372036854771712\n",
+        "v1mem/app/cgroup.procs": "1\n", "v1mem/app/memory.limit_in_bytes": "1073741824\n",
+        "v1mem/app/memory.stat": ("cache 209715200\nrss 104857600\nshmem 10485760\n"
+                                  "hierarchical_memory_limit 1073741824\ntotal_cache 209715200\n"
+                                  "total_rss 104857600\ntotal_shmem 10485760\n"),
+        "unified/cgroup.procs": "", "unified/memory.pressure": "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+    }
+    mountinfo = (f"25 20 0:22 / {tmp_path / 'unified'} rw - cgroup2 cgroup2 rw\n"
+                 f"31 20 0:28 / {v1} rw - cgroup cgroup rw,memory\n"
+                 f"32 20 0:29 / {tmp_path / 'cpu'} rw - cgroup cgroup rw,cpu,cpuacct\n")
+    proc = _fake_tree(tmp_path, cgroup="5:cpu,cpuacct:/\n4:memory:/app\n0::/\n", mountinfo=mountinfo, files=files)
+    info = locate_memory_cgroup(proc_root=str(proc))
+    assert info.version == "v1" and info.path == str(v1 / "app")
+    assert info.pressure_file == str(tmp_path / "unified" / "memory.pressure")   # PSI from the v2 hierarchy
+    b = Budgeter(1, 0, proc_root=str(proc), mem_available=lambda: 8 * GiB, mem_total=lambda: 16 * GiB).sample()
+    assert b.m_max == GiB and b.m_anon_shmem == 110 * MiB and b.m_file == 190 * MiB   # cache holds shmem
+    assert b.b_pc == GiB - 110 * MiB
+
+
+def test_host_without_memory_controller(tmp_path: pathlib.Path) -> None:
+    files = {"cg2/cgroup.procs": "", "cg2/cgroup.controllers": "cpu io\n"}
+    proc = _fake_tree(tmp_path, cgroup="0::/\n",
+                      mountinfo=f"30 1 0:26 / {tmp_path / 'cg2'} rw - cgroup2 cgroup2 rw\n", files=files)
+    b = Budgeter(1, 0, proc_root=str(proc), mem_available=lambda: 6 * GiB, mem_total=lambda: 16 * GiB).sample()
+    assert b.cgroup_version == "none" and b.cgroup == ""
+    assert b.m_anon_shmem == (1024 + 64) * MiB                # host AnonPages + Shmem
+    assert b.b_pc == 6 * GiB
+
+
+def test_explicit_path_detection(tmp_path: pathlib.Path) -> None:
+    proc = _v2_tree(tmp_path)
+    info = cgroup_from_path(str(tmp_path / "cg2/system.slice/bladed.service"), proc_root=str(proc))
+    assert info.version == "v2" and info.root == str(tmp_path / "cg2")
+    assert info.ancestors() == [str(tmp_path / p) for p in
+                                ("cg2/system.slice/bladed.service", "cg2/system.slice", "cg2")]
+    with pytest.raises(ValueError, match="not a memory cgroup"):
+        cgroup_from_path(str(tmp_path / "proc"))
+
+
+def test_mountinfo_escapes_and_cgroup_lines() -> None:
+    mounts = parse_mountinfo(
+        "40 1 0:30 / /sys/fs/cgroup/my\\040mem rw - cgroup cgroup rw,memory\n"
+        "41 1 0:31 / /proc rw - proc proc rw\n")
+    assert len(mounts) == 1 and mounts[0].mountpoint == "/sys/fs/cgroup/my mem"
+    assert parse_proc_cgroup("12:memory:/a/b\n0::/c\n") == ("/a/b", "/c")
+    assert parse_proc_cgroup("0::/only/v2\n") == (None, "/only/v2")
+
+
+@settings(max_examples=60, deadline=None)
+@given(limit=st.integers(64 * MiB, 64 * GiB), anon=st.integers(0, 8 * GiB), shmem=st.integers(0, 2 * GiB),
+       avail=st.integers(0, 32 * GiB), n=st.integers(0, 4), pin=st.integers(0, 512 * MiB))
+def test_formula_on_fake_v2(limit: int, anon: int, shmem: int, avail: int, n: int, pin: int) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        proc = _v2_tree(pathlib.Path(d), leaf_max=str(limit), anon=anon, shmem=shmem, file=shmem)
+        b = Budgeter(n, pin, proc_root=str(proc), mem_available=lambda: avail,
+                     mem_total=lambda: 128 * GiB).sample()
+    m_star = min(avail, limit - anon - shmem)
+    assert (b.m_max, b.m_anon_shmem, b.m_star) == (limit, anon + shmem, m_star)
+    assert b.b_pc == max(0, m_star - n * pin) >= 0

@@ -1,0 +1,155 @@
+"""The client library against a real daemon: the session API, futures and
+callbacks from copy threads, torch views of the shared staging slot, and a
+clear exception for every failure."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from daemon_util import DaemonProcess, short_tmpdir
+
+from bladed.client import (
+    Client,
+    DaemonLostError,
+    OpResult,
+    OutOfRangeError,
+    geometry_dict,
+)
+from bladed.residency import Geometry
+
+GEO = Geometry(layers=4, batch=2, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=16)
+KPU = GEO.kpu_bytes
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    with short_tmpdir() as tmp, DaemonProcess(tmp, {"budget": {"override": 2 * KPU}}).start() as d:
+        yield d
+
+
+def test_geometry_from_geometry_mapping_or_dtype_name() -> None:
+    want = geometry_dict(GEO)
+    assert geometry_dict(GEO.to_dict()) == want
+    named = {k: v for k, v in want.items() if k != "dtype_bytes"} | {"dtype": "torch.bfloat16"}
+    assert geometry_dict(named) == want
+    with pytest.raises(ValueError, match="unknown dtype"):
+        geometry_dict(dict(named, dtype="complex32x"))
+    with pytest.raises(ValueError, match="lacks 'batch'"):
+        geometry_dict({"layers": 1})
+
+
+def test_session_plan_slots_and_sync_io(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket_path) as c, c.open_session(GEO, channels=2) as s:
+        assert s.plan["n1"] == 1 and s.plan["mode"] == "dualblade"
+        assert [k["path"] for k in s.plan["kpus"]] == ["pagecache"] * 2 + ["direct"] * 6
+        assert s.plan["budget"]["b_pc"] == 2 * KPU and "m_avail" in s.plan["budget"]
+        assert s.kpu(2, "v")["group"] == 2
+        slot = s.slot(1)
+        assert len(slot) == KPU and not slot.readonly and s.token_bytes == GEO.token_bytes
+        data = os.urandom(KPU)
+        slot[:] = data
+        w = s.write(3, "k", 1)
+        assert isinstance(w, OpResult) and (w.path, w.nbytes, w.hit_ratio) == ("direct", KPU, None)
+        slot[:] = bytes(KPU)
+        r = s.read(3, "k", 1, token_start=4, ntokens=2)
+        tb = GEO.token_bytes
+        assert r.nbytes == 2 * tb and bytes(slot[4 * tb:6 * tb]) == data[4 * tb:6 * tb]
+        assert bytes(slot[:4 * tb]) == bytes(4 * tb)  # nothing outside the range was touched
+        with pytest.raises(IndexError):
+            s.slot(2)
+        with pytest.raises(OutOfRangeError, match="layer 4"):
+            s.read(4, "k", 0)
+    with Client(daemon.socket_path) as other:
+        assert other.sessions() == []  # the context managers closed the session
+
+
+def test_async_from_copy_threads_with_callbacks(daemon: DaemonProcess) -> None:
+    """Two copy threads, one per channel, keep several requests in flight each."""
+    with Client(daemon.socket_path) as c, c.open_session(GEO, channels=2) as s:
+        done: list[OpResult] = []
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+
+        def on_done(f) -> None:  # type: ignore[no-untyped-def]
+            with lock:
+                if f.exception():
+                    errors.append(f.exception())
+                else:
+                    done.append(f.result())
+
+        def copy_thread(ch: int) -> None:
+            for layer in range(GEO.layers):
+                kind = "kv"[ch]
+                s.slot(ch)[:] = bytes([layer * 2 + ch + 1]) * KPU
+                s.write(layer, kind, ch)
+                s.slot(ch)[:] = bytes(KPU)
+                # one token at a time, all in flight together
+                futs = [s.read_async(layer, kind, ch, token_start=t, ntokens=1) for t in range(GEO.max_tokens)]
+                for f in futs:
+                    f.add_done_callback(on_done)
+                for f in futs:
+                    f.result(30)
+                if bytes(s.slot(ch)) != bytes([layer * 2 + ch + 1]) * KPU:
+                    errors.append(AssertionError(f"layer {layer} channel {ch}: wrong bytes"))
+
+        threads = [threading.Thread(target=copy_thread, args=(ch,)) for ch in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        assert len(done) == 2 * GEO.layers * GEO.max_tokens
+        assert {r.channel for r in done} == {0, 1} and all(r.nbytes == GEO.token_bytes for r in done)
+
+
+def test_torch_tensors_over_the_shared_slot_on_cpu(daemon: DaemonProcess) -> None:
+    torch = pytest.importorskip("torch")
+    with Client(daemon.socket_path) as c, c.open_session(GEO, channels=1) as s:
+        assert s.pinned is torch.cuda.is_available()
+        view = torch.frombuffer(s.slot(0), dtype=torch.float16).view(GEO.max_tokens, GEO.batch * GEO.kv_heads, -1)
+        src = torch.randn(view.shape, dtype=torch.float16)
+        view.copy_(src)            # the copy thread's "GPU -> staging" step
+        s.write(2, "v", 0)
+        view.zero_()
+        s.read(2, "v", 0)
+        assert torch.equal(view, src)
+
+
+def test_staging_size_is_checked(daemon: DaemonProcess) -> None:
+    with Client(daemon.socket_path) as c:
+        with pytest.raises(ValueError, match="less than 2 KPU-sized slots"):
+            c.open_session(GEO, channels=2, staging_bytes=KPU)
+        with c.open_session(GEO, channels=1, staging_bytes=3 * KPU) as s:
+            assert s.slot_stride == KPU
+        with pytest.raises(ValueError, match="mode"):
+            c.open_session(GEO, mode="fast")
+
+
+def test_no_daemon_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(DaemonLostError, match="not running: no socket"):
+        Client(str(tmp_path / "none.sock"))
+    stale = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(stale)  # bound, never listening: what a crashed daemon leaves
+    with pytest.raises(DaemonLostError, match="refuses connections"):
+        Client(stale)
+    s.close()
+
+
+def test_losing_the_daemon_fails_pending_and_later_requests() -> None:
+    with short_tmpdir() as tmp:
+        d = DaemonProcess(tmp).start()
+        c = Client(d.socket_path)
+        s = c.open_session(GEO, channels=1)
+        s.write(0, "k", 0)
+        d.kill()
+        with pytest.raises(DaemonLostError, match="lost connection"):
+            s.read(0, "k", 0)
+        with pytest.raises(DaemonLostError):
+            c.status()
+        s.close()   # closing against a dead daemon only unmaps
+        c.close()

@@ -1,0 +1,219 @@
+"""A real bladed process on a file-backed store and on a loop device, driven
+by client processes: bytes round-trip on both paths, teardown TRIMs, a killed
+client or daemon is cleaned up, and peers only reach what they may."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+from daemon_util import ClientProcess, DaemonProcess, short_tmpdir
+
+#: token = 2*8*128*2 = 4096 bytes: the §IV-B alignment precondition holds
+ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
+KPU = 32 * 4096
+#: token = 3*64*4 = 768 bytes (SmolLM2-like, fp32): padded rows on the extent
+UNALIGNED = {"layers": 3, "batch": 1, "kv_heads": 3, "head_dim": 64, "dtype_bytes": 4, "max_tokens": 20}
+
+
+@pytest.fixture
+def tmp():
+    with short_tmpdir() as d:
+        yield d
+
+
+def allocated_bytes(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def has_data(path: str, start: int, nbytes: int) -> bool:
+    """True if any byte of ``[start, start + nbytes)`` of a file is allocated (not a punched hole)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.lseek(fd, start, os.SEEK_DATA) < start + nbytes
+    except OSError:  # ENXIO: no data after start
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_two_client_processes_round_trip_on_both_paths(tmp: str) -> None:
+    # B_pc fixed at two layers' K+V: Algorithm 1 puts layers 0-1 on the page-cache path
+    with DaemonProcess(tmp, {"budget": {"override": 4 * KPU}}).start() as d, \
+            ClientProcess(d.socket_path) as a, ClientProcess(d.socket_path) as b:
+        for c in (a, b):
+            c.call("connect")
+        pa = a.call("open", geometry=ALIGNED)["plan"]
+        pb = b.call("open", geometry=ALIGNED)["plan"]
+        # the page-cache budget is shared: the second session gets what the first left
+        assert (pa["n1"], pb["n1"]) == (2, 0)
+        a.send("write_all", seed=1)
+        b.send("write_all", seed=2)
+        assert a.expect()["paths"] == ["pagecache"] * 4 + ["direct"] * 4
+        assert b.expect()["paths"] == ["direct"] * 8
+        a.send("check_all", seed=1)
+        b.send("check_all", seed=2)
+        assert a.expect()["bad"] == [] and b.expect()["bad"] == []
+        # Algorithm 2: one token in the middle of a direct-path KPU, then the range around it
+        w = a.call("write", layer=3, kind="v", token_start=5, ntokens=1, seed=9)
+        assert (w["path"], w["nbytes"]) == ("direct", 4096) and w["service_ns"] > 0
+        assert a.call("read_check", layer=3, kind="v", token_start=5, ntokens=1, seed=9)["match"]
+        assert a.call("read_check", layer=3, kind="v", token_start=0, ntokens=5, seed=1)["match"]
+        assert a.call("read_check", layer=3, kind="v", token_start=6, seed=1)["match"]
+        r = a.call("read_check", layer=0, kind="k", token_start=3, ntokens=4, seed=1)
+        assert r["match"] and r["path"] == "pagecache" and r["hit_ratio"] == 1.0
+        a.call("close")
+        closed = d.wait_event("session_close", reason="closed")
+        assert int(closed["trimmed_bytes"]) == 4 * KPU
+        assert not os.listdir(os.path.join(tmp, "pagecache")), "page-cache files left after close"
+        assert b.call("check_all", seed=2)["bad"] == []
+
+
+def test_unaligned_tokens_use_padded_rows_and_exact_bytes(tmp: str) -> None:
+    with DaemonProcess(tmp, {"budget": {"override": 0}}).start() as d, ClientProcess(d.socket_path) as c:
+        c.call("connect")
+        plan = c.call("open", geometry=UNALIGNED)["plan"]
+        assert not plan["aligned"] and plan["token_stride"] == 4096
+        assert c.call("write_all", seed=3)["paths"] == ["direct"] * 6
+        assert c.call("check_all", seed=3)["bad"] == []
+        c.call("write", layer=1, kind="k", token_start=7, ntokens=2, seed=4)
+        assert c.call("read_check", layer=1, kind="k", token_start=7, ntokens=2, seed=4)["match"]
+        assert c.call("read_check", layer=1, kind="k", token_start=0, ntokens=7, seed=3)["match"]
+        assert c.call("read_check", layer=1, kind="k", token_start=9, seed=3)["match"]
+
+
+@pytest.mark.parametrize("mode", ["baseline", "cachepolicy", "direct"])
+def test_modes_of_table_iii(tmp: str, mode: str) -> None:
+    with DaemonProcess(tmp, {"budget": {"override": 4 * KPU}}).start() as d, ClientProcess(d.socket_path) as c:
+        c.call("connect")
+        c.call("open", geometry=ALIGNED, mode=mode)
+        paths = c.call("write_all", seed=5)["paths"]
+        assert c.call("check_all", seed=5)["bad"] == []
+        if mode == "direct":
+            assert paths == ["direct"] * 8
+            return
+        assert paths == ["pagecache"] * 8
+        g1 = c.call("read_check", layer=0, kind="k", seed=5)
+        g2 = c.call("read_check", layer=3, kind="k", seed=5)
+        assert g1["match"] and g2["match"] and g1["hit_ratio"] == 1.0
+        if mode == "cachepolicy":
+            # Group 2 is dropped from the page cache after every use (Table III)
+            assert g2["hit_ratio"] < 0.5
+        else:
+            assert g2["hit_ratio"] == 1.0
+
+
+@pytest.mark.root
+def test_loop_device_backend_round_trip_and_trim(tmp: str, loop_device: str) -> None:
+    backing = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", loop_device], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    cfg = {"device": {"backend": "block", "path": loop_device, "region_start_lba": 2048},
+           "budget": {"override": 0}}
+    with DaemonProcess(tmp, cfg).start() as d, ClientProcess(d.socket_path) as c:
+        assert c.call("connect")["server"]["lba_size"] == 512
+        c.call("open", geometry=ALIGNED)
+        before = allocated_bytes(backing)
+        assert c.call("write_all", seed=6)["paths"] == ["direct"] * 8
+        assert c.call("check_all", seed=6)["bad"] == []
+        assert allocated_bytes(backing) >= before + 8 * KPU
+        c.call("close")
+        assert int(d.wait_event("session_close")["trimmed_bytes"]) == 8 * KPU
+        # block discard on a loop device punches holes in its backing file
+        assert not has_data(backing, 2048 * 512, 8 * KPU)
+
+
+def test_sigkill_client_mid_transfer_frees_its_extent(tmp: str) -> None:
+    with DaemonProcess(tmp, {"budget": {"override": 0}}).start() as d, \
+            ClientProcess(d.socket_path) as victim, ClientProcess(d.socket_path) as bystander:
+        store = os.path.join(tmp, "kv-store.img")
+        bystander.call("connect")
+        bystander.call("open", geometry=ALIGNED)
+        bystander.call("write_all", seed=7)
+        victim.call("connect")
+        opened = victim.call("open", geometry=ALIGNED, channels=2)
+        ext = opened["extent"]
+        victim.call("write_all", seed=8)
+        assert has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
+        assert victim.call("write_loop")["looping"]
+        victim.kill()
+        gone = d.wait_event("session_close", session=opened["session"])
+        assert gone["reason"] == "client_gone"
+        assert int(gone["trimmed_bytes"]) == ext["nblocks"] * 4096
+        assert not has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
+        # the other session is unaffected, and the freed extent is handed out again
+        assert bystander.call("check_all", seed=7)["bad"] == []
+        with ClientProcess(d.socket_path) as again:
+            again.call("connect")
+            assert again.call("open", geometry=ALIGNED)["extent"] == ext
+            again.call("write_all", seed=9)
+            assert again.call("check_all", seed=9)["bad"] == []
+
+
+def test_sigkill_daemon_then_restart_reclaims_and_clients_reconnect(tmp: str) -> None:
+    cfg = {"budget": {"override": 2 * KPU}}
+    d = DaemonProcess(tmp, cfg).start()
+    store = os.path.join(tmp, "kv-store.img")
+    with ClientProcess(d.socket_path) as c:
+        c.call("connect")
+        opened = c.call("open", geometry=ALIGNED)
+        ext = opened["extent"]
+        assert c.call("write_all", seed=10)["paths"] == ["pagecache"] * 2 + ["direct"] * 6
+        stale_dir = os.path.join(tmp, "pagecache", f"session-{opened['session']}")
+        assert os.listdir(stale_dir)
+        d.kill()
+        lost = c.call("read", layer=3, kind="k", expect_error=True)
+        assert lost["exception"] == "DaemonLostError" and "lost connection" in lost["message"]
+        assert has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
+
+        with DaemonProcess(tmp, cfg).start() as d2:
+            ev = d2.wait_event("session_reclaim", session=opened["session"])
+            assert ev["extents"] == "1"
+            assert int(d2.wait_event("reclaim")["trimmed_bytes"]) == ext["nblocks"] * 4096
+            assert not has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
+            assert not os.path.exists(stale_dir)
+            # the same client process reconnects and works
+            c.call("connect")
+            assert c.call("open", geometry=ALIGNED)["extent"] == ext
+            c.call("write_all", seed=11)
+            assert c.call("check_all", seed=11)["bad"] == []
+
+
+def test_sigterm_drains_in_flight_requests_trims_and_notifies(tmp: str) -> None:
+    d = DaemonProcess(tmp, {"budget": {"override": 0}}).start()
+    with ClientProcess(d.socket_path) as c:
+        c.call("connect")
+        ext = c.call("open", geometry=ALIGNED)["extent"]
+        c.call("write_all", seed=12)
+        assert c.call("write_loop")["looping"]
+        d.signal(signal.SIGTERM)
+        assert d.stop() == 0
+        assert "STOPPING=1" in d.notifications
+        stop = d.wait_event("daemon_stop")
+        assert int(stop["trimmed_bytes"]) == ext["nblocks"] * 4096
+        assert d.wait_event("session_close")["reason"] == "shutdown"
+        assert not has_data(os.path.join(tmp, "kv-store.img"), 0, 64 << 20)
+        assert not os.path.exists(d.socket_path)
+
+
+def test_second_daemon_on_the_same_state_dir_is_refused(tmp: str) -> None:
+    with DaemonProcess(tmp).start() as first:
+        second = DaemonProcess(tmp).start(wait=False)
+        assert second.proc is not None and second.proc.wait(60) == 1
+        second.wait_line(f"another bladed (pid {first.pid}) is using the state directory")
+        assert first.proc is not None and first.proc.poll() is None
+
+
+def test_unreadable_journal_makes_start_up_trim_the_whole_region(tmp: str) -> None:
+    with DaemonProcess(tmp, {"budget": {"override": 0}}).start() as d, ClientProcess(d.socket_path) as c:
+        c.call("connect")
+        c.call("open", geometry=ALIGNED)
+        c.call("write_all", seed=13)
+        d.kill()
+    with open(os.path.join(tmp, "journal.json"), "w") as f:
+        f.write("{ torn write")
+    with DaemonProcess(tmp).start() as d2:
+        d2.wait_line("unreadable journal")
+        assert int(d2.wait_event("reclaim")["trimmed_bytes"]) == 64 << 20
+        assert not has_data(os.path.join(tmp, "kv-store.img"), 0, 64 << 20)

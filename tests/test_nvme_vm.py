@@ -1,0 +1,128 @@
+"""Real NVMe passthrough, from a host without NVMe: boots the QEMU NVMe VM
+(tools/nvme-vm/run-in-nvme-vm.sh) once per device configuration and runs the
+whole ``tests/vm`` directory inside it, with this interpreter.
+
+Each configuration costs one boot (about 5 s under TCG) plus Python and
+pytest start-up inside the guest (10-20 s under TCG) plus the tests; see
+docs/nvme-vm.md for measured times.  Inside the guest pytest's plugin
+autoloading is switched off (it alone costs 25-30 s under TCG) and only
+pytest-timeout is loaded, so tests in tests/vm must not rely on other
+plugins' fixtures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HARNESS = REPO / "tools" / "nvme-vm" / "run-in-nvme-vm.sh"
+
+NS_SIZE = "5G"        # sparse; over 4 GiB so that a whole-namespace discard needs several DSM ranges
+VM_TIMEOUT_S = 480    # the harness kills the VM after this; below pytest-timeout's 600 s
+
+
+@dataclass(frozen=True)
+class VMCase:
+    name: str
+    harness_args: tuple[str, ...]
+    shows: str
+
+
+CASES = [
+    VMCase("lba4096-mdts5", ("--lba", "4096", "--mdts", "5"),
+           "MDTS 128 KiB forces chunking of every multi-MiB transfer; Debian 12's default kernel (6.1)"),
+    VMCase("lba512-mdts7", ("--lba", "512"),
+           "512-byte LBA with QEMU's default MDTS (512 KiB), capped below 512 KiB by max_segments; kernel 6.1"),
+    VMCase("lba4096-mdts8-k6.12", ("--kernel", "6.12", "--lba", "4096", "--mdts", "8"),
+           "MDTS 1 MiB above the max_segments cap of 4 KiB pages (hugetlb pages reach it); Debian 12's "
+           "6.12 kernel, where fixed (registered) buffers work for passthrough"),
+]
+
+
+def _guest_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST", "PYTEST_PLUGINS")
+           and not k.startswith(("COV_CORE_", "PYTEST_XDIST"))}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _inner_pytest(junit: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "tests/vm", "-m", "nvme_vm", "-q",
+           "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd[3:3] = ["-p", "pytest_timeout"]
+    return cmd
+
+
+@dataclass(frozen=True)
+class Outcome:
+    tests: int
+    failed: list[str]
+    skipped: list[str]
+    xfailed: list[str]
+
+
+def _read_junit(path: Path) -> Outcome:
+    root = ET.parse(path).getroot()
+    tests = 0
+    failed: list[str] = []
+    skipped: list[str] = []
+    xfailed: list[str] = []
+    for case in root.iter("testcase"):
+        tests += 1
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(name)
+        for s in case.findall("skipped"):
+            (xfailed if s.get("type") == "pytest.xfail" else skipped).append(f"{name}: {s.get('message')}")
+    return Outcome(tests, failed, skipped, xfailed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(VM_TIMEOUT_S + 60)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_vm_suite_passes(case: VMCase, tmp_path: Path) -> None:
+    assert HARNESS.is_file(), f"{HARNESS} is missing"
+    assert list((REPO / "bladed").glob("_uring*.so")), (
+        "bladed/_uring*.so is not built in place; the VM imports bladed from the checkout "
+        "(pip install -e . --no-build-isolation)")
+    junit = tmp_path / "junit.xml"
+    cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, "--timeout", str(VM_TIMEOUT_S),
+           "--rw", str(tmp_path), "--", *_inner_pytest(junit)]
+    print(f"[{case.name}] {case.shows}\n$ {' '.join(cmd)}", flush=True)
+
+    t0 = time.monotonic()
+    lines: list[str] = []
+    with subprocess.Popen(cmd, cwd=REPO, env=_guest_env(), stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:          # streamed: visible live with -s, kept for the report
+            print(line, end="", flush=True)
+            lines.append(line)
+        rc = proc.wait()
+    wall = time.monotonic() - t0
+    print(f"[{case.name}] VM wall time {wall:.1f} s, exit status {rc}", flush=True)
+
+    tail = "".join(lines[-80:])
+    if rc in (124, 125):
+        pytest.fail(f"[{case.name}] the VM failed (status {rc}: 124 timeout, 125 VM/harness failure; "
+                    f"`{HARNESS.relative_to(REPO)} --setup` prepares it):\n{tail}")
+    assert junit.is_file(), f"[{case.name}] the inner pytest wrote no report (status {rc}):\n{tail}"
+    out = _read_junit(junit)
+    assert out.tests > 0, f"[{case.name}] no test ran inside the VM:\n{tail}"
+    assert not out.failed, f"[{case.name}] failed inside the VM: {out.failed}\n{tail}"
+    assert not out.skipped, f"[{case.name}] tests/vm must not skip: {out.skipped}"
+    assert rc == 0, f"[{case.name}] inner pytest exited with {rc}:\n{tail}"
+    for x in out.xfailed:
+        print(f"[{case.name}] known failure: {x}")
