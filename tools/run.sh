@@ -9,7 +9,9 @@ shift || true
 case $cmd in
     demo)
         tools/setup.sh --no-vm
-        exec .venv/bin/python -m bladed.demo "$@"
+        # start bladed on its embedded default (file-backed store under
+        # var/runner) and generate text with SmolLM2-135M, KV offloaded through it
+        exec .venv/bin/python -m bladed.runner --model smollm2 --spawn-daemon --state-dir var/runner "$@"
         ;;
     test)
         tools/setup.sh
