@@ -14,7 +14,9 @@ With a CUDA-capable torch already imported the mapping is pinned with
 ``cudaHostRegister``; on CPU it stays ordinary shared memory.
 
 Every request is asynchronous underneath (replies are matched by id), so
-copy threads on different channels overlap (overlap-intra, §IV-C).
+copy threads on different channels overlap (overlap-intra, §IV-C).  Futures
+complete on the client's reader thread: done-callbacks run there and must
+not wait for another bladed reply (hand such work to another thread).
 """
 
 from __future__ import annotations
@@ -97,6 +99,9 @@ class OpResult:
     nbytes: int
     service_ns: int         # measured by the daemon: first byte issued to last byte done
     hit_ratio: float | None  # page-cache reads: fraction of the bytes already cached
+    #: when the daemon's worker started and finished it (CLOCK_MONOTONIC ns of the host)
+    started_ns: int = 0
+    finished_ns: int = 0
 
 
 def geometry_dict(geometry: Any) -> dict[str, int]:
@@ -299,7 +304,7 @@ class Client:
 
     def trim(self) -> dict[str, Any]:
         """TRIM the whole region (refused while any session is open; admin only)."""
-        return _strip(self.call("trim"))
+        return _strip(self.call_async("trim").result())  # no timeout: a large region takes a while
 
     def close(self) -> None:
         """Close every session of this client, then the connection."""
@@ -388,7 +393,8 @@ class Session:
             r = f.result()
             out.set_result(OpResult(op=op, layer=layer, kind=kind, channel=ch, path=r["path"],
                                     nbytes=int(r["nbytes"]), service_ns=int(r["service_ns"]),
-                                    hit_ratio=r.get("hit_ratio")))
+                                    hit_ratio=r.get("hit_ratio"), started_ns=int(r.get("started_ns", 0)),
+                                    finished_ns=int(r.get("finished_ns", 0))))
 
         raw.add_done_callback(done)
         return out

@@ -49,7 +49,7 @@ struct bd_dsm_range {                       /* NVMe DSM range: nlb is 1-based */
 struct bd_slot {                            /* one in-flight command */
     struct bd_xfer *x;
     uint64_t slba;
-    uint32_t len;                           /* payload bytes expected */
+    uint64_t len;                           /* payload bytes expected */
     struct bd_dsm_range dsm;
     int next_free;
 };
@@ -285,7 +285,8 @@ static uint64_t next_chunk_len(const struct bd_xfer *x)
     if (x->op == BD_OP_READ || x->op == BD_OP_WRITE) {
         cap = ((uint64_t)t->max_chunk_bytes >> t->lba_shift) << t->lba_shift;
     } else {
-        uint64_t blocks = t->max_discard_blocks ? t->max_discard_blocks : 0xffffffffull;
+        uint64_t limit = x->op == BD_OP_DISCARD ? t->max_discard_blocks : t->max_zeroes_blocks;
+        uint64_t blocks = limit ? limit : 0xffffffffull;   /* a DSM range's NLB is 32 bits */
         if (t->kind == BD_KIND_NVME && x->op == BD_OP_WRITE_ZEROES && blocks > NVME_WZ_MAX_BLOCKS)
             blocks = NVME_WZ_MAX_BLOCKS;
         cap = blocks << t->lba_shift;
@@ -298,7 +299,7 @@ static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slo
 {
     const struct bd_target *t = x->target;
     struct nvme_uring_cmd *cmd = (struct nvme_uring_cmd *)sqe->cmd;
-    uint32_t nblocks = s->len >> t->lba_shift;
+    uint32_t nblocks = (uint32_t)(s->len >> t->lba_shift);
 
     sqe->opcode = IORING_OP_URING_CMD;
     sqe->fd = t->fd;
@@ -310,7 +311,7 @@ static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slo
     case BD_OP_WRITE:
         cmd->opcode = x->op == BD_OP_READ ? NVME_CMD_READ : NVME_CMD_WRITE;
         cmd->addr = (uint64_t)(uintptr_t)((char *)x->buf + off);     /* Eq. 11 */
-        cmd->data_len = s->len;
+        cmd->data_len = (uint32_t)s->len;
         cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);               /* Eq. 9 */
         cmd->cdw11 = (uint32_t)(s->slba >> 32);
         cmd->cdw12 = nblocks - 1;                                       /* Eq. 10 */
@@ -420,7 +421,7 @@ static unsigned fill(struct bd_ring *r)
         r->free_head = s->next_free;
         len = next_chunk_len(x);
         s->x = x;
-        s->len = (uint32_t)len;
+        s->len = len;
         s->slba = x->slba + (x->next_off >> x->target->lba_shift);
         if (x->target->kind == BD_KIND_NVME)
             prep_nvme(sqe, r, s, x, x->next_off);
@@ -456,7 +457,7 @@ static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
             fail(x, BD_ERR_ERRNO, -res, s->slba);
     } else if (res < 0) {
         fail(x, BD_ERR_ERRNO, -res, s->slba);
-    } else if ((x->op == BD_OP_READ || x->op == BD_OP_WRITE) && (uint32_t)res != s->len) {
+    } else if ((x->op == BD_OP_READ || x->op == BD_OP_WRITE) && (uint64_t)res != s->len) {
         fail(x, BD_ERR_SHORT, res, s->slba);
     }
     s->x = NULL;
@@ -583,6 +584,7 @@ int bd_nvme_ns_id(int fd)
 int bd_nvme_identify(int fd, uint32_t nsid, uint32_t cns, void *buf4096)
 {
     struct nvme_admin_cmd cmd;
+    int ret;
 
     memset(&cmd, 0, sizeof(cmd));
     cmd.opcode = 0x06;
@@ -590,9 +592,10 @@ int bd_nvme_identify(int fd, uint32_t nsid, uint32_t cns, void *buf4096)
     cmd.addr = (uint64_t)(uintptr_t)buf4096;
     cmd.data_len = 4096;
     cmd.cdw10 = cns;
-    if (ioctl(fd, NVME_IOCTL_ADMIN_CMD, &cmd) < 0)
+    ret = ioctl(fd, NVME_IOCTL_ADMIN_CMD, &cmd);
+    if (ret < 0)
         return -errno;
-    return (int)cmd.result >= 0 ? 0 : -EIO;
+    return ret;   /* > 0: the NVMe status of a refused command */
 }
 
 int bd_block_geometry(int fd, uint64_t *size_bytes, uint32_t *logical_block)

@@ -46,7 +46,8 @@ struct bd_target {
     uint32_t nsid;                /* NVMe namespace id */
     uint32_t lba_shift;           /* log2(LBA size) */
     uint32_t max_chunk_bytes;     /* Eq. 7: per-command payload, LBA multiple */
-    uint32_t max_discard_blocks;  /* per discard / write-zeroes command */
+    uint32_t max_discard_blocks;  /* per discard command (NVMe: DMRSL), 0 = no limit */
+    uint32_t max_zeroes_blocks;   /* per write-zeroes command, 0 = no limit */
     uint32_t timeout_ms;          /* NVMe command timeout, 0 = driver default */
     int discard_mode;             /* enum bd_discard_mode (block only) */
 };
@@ -107,7 +108,7 @@ int bd_chunk_plan(uint64_t slba, uint64_t nbytes, uint32_t lba_shift, uint32_t m
 
 /* Syscalls and ioctls.  All return 0 or -errno. */
 int bd_nvme_ns_id(int fd);                              /* >0 nsid */
-int bd_nvme_identify(int fd, uint32_t nsid, uint32_t cns, void *buf4096);
+int bd_nvme_identify(int fd, uint32_t nsid, uint32_t cns, void *buf4096);  /* >0: NVMe status */
 int bd_block_geometry(int fd, uint64_t *size_bytes, uint32_t *logical_block);
 int bd_blkdiscard(int fd, uint64_t off, uint64_t len);
 int bd_fallocate(int fd, int mode, uint64_t off, uint64_t len);

@@ -85,8 +85,12 @@ class DaemonProcess:
     """A bladed daemon in a child process, on a config written for the test."""
 
     def __init__(self, state_dir: str, config: dict[str, dict[str, Any]] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.state_dir = state_dir
+                 env: dict[str, str] | None = None, *, embedded: bool = False) -> None:
+        """``embedded``: no config file and no options, run from ``state_dir`` as the working
+        directory, so the embedded default puts everything in ``state_dir/var/bladed``."""
+        self.embedded = embedded
+        self.state_dir = os.path.join(state_dir, "var", "bladed") if embedded else state_dir
+        self.cwd = state_dir if embedded else ROOT
         self.extra_env = env or {}
         self.config = {"device": {"size": "64M"}, "budget": {"interval_s": 60.0}}
         for section, keys in (config or {}).items():
@@ -114,7 +118,8 @@ class DaemonProcess:
             f.write(toml_text(self.config))
 
     def start(self, *, wait: bool = True, timeout: float = STARTUP_TIMEOUT) -> DaemonProcess:
-        self.write_config()
+        if not self.embedded:
+            self.write_config()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.notify_path)
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -124,10 +129,10 @@ class DaemonProcess:
         env.update(self.extra_env)
         self.lines = []
         self.notifications = []
+        args = [] if self.embedded else ["--config", self.config_path, "--state-dir", self.state_dir]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bladed.server", "--config", self.config_path, "--state-dir", self.state_dir],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+            [sys.executable, "-m", "bladed.server", *args], cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._read_log, args=(self.proc,), daemon=True).start()
         threading.Thread(target=self._read_notify, args=(self._notify,), daemon=True).start()
         if wait:

@@ -153,3 +153,23 @@ def test_losing_the_daemon_fails_pending_and_later_requests() -> None:
             c.status()
         s.close()   # closing against a dead daemon only unmaps
         c.close()
+
+
+def test_channels_run_concurrently() -> None:
+    """Requests on channel 1 run while a long one runs on channel 0
+    (one worker and ring per channel: overlap-intra, §IV-C)."""
+    big = Geometry(layers=1, batch=8, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=2048)   # 32 MiB KPU
+    cfg = {"budget": {"override": 0}, "device": {"size": "128M"}}
+    with short_tmpdir() as tmp, DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c, \
+            c.open_session(big, channels=2) as s:
+        s.slot(0)[:] = os.urandom(1 << 20) * 32
+        s.write(0, "k", 0)
+        s.write(0, "v", 0)
+        long_read = s.read_async(0, "k", 0)
+        shorts = []
+        while not long_read.done() and len(shorts) < 10000:
+            shorts.append(s.read(0, "v", 1, token_start=len(shorts) % 2048, ntokens=1))
+        long = long_read.result(60)
+        # one worker for both channels would run them one after the other: disjoint intervals
+        overlapping = [r for r in shorts if r.started_ns < long.finished_ns and long.started_ns < r.finished_ns]
+        assert overlapping, (long, shorts[:3])

@@ -217,3 +217,20 @@ def test_unreadable_journal_makes_start_up_trim_the_whole_region(tmp: str) -> No
         d2.wait_line("unreadable journal")
         assert int(d2.wait_event("reclaim")["trimmed_bytes"]) == 64 << 20
         assert not has_data(os.path.join(tmp, "kv-store.img"), 0, 64 << 20)
+
+
+def test_embedded_default_needs_no_config_file(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m bladed.server`` with no options: file store, page cache and socket in ./var/bladed,
+    where a client with no socket path finds it."""
+    from bladed.client import Client
+
+    with DaemonProcess(tmp, embedded=True).start():
+        base = os.path.join(tmp, "var", "bladed")
+        assert set(os.listdir(base)) >= {"bladed.lock", "bladed.sock", "journal.json", "kv-store.img", "pagecache"}
+        assert os.path.getsize(os.path.join(base, "kv-store.img")) == 1 << 30
+        monkeypatch.chdir(tmp)
+        monkeypatch.delenv("BLADED_SOCKET", raising=False)
+        with Client() as c, c.open_session(ALIGNED, channels=1) as s:
+            assert c.status()["config"] == "embedded-default"
+            s.slot(0)[:] = b"x" * KPU
+            assert s.write(0, "k", 0).nbytes == KPU

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import http.client
+import os
+import re
 import socket
 from collections.abc import Iterator
 
 import pytest
-from daemon_util import DaemonProcess, short_tmpdir
+from daemon_util import ROOT, DaemonProcess, short_tmpdir
 from prometheus_client.parser import text_string_to_metric_families
 
 from bladed.client import Client
@@ -69,6 +71,11 @@ def test_metrics_on_a_unix_socket_follow_the_traffic(tmp: str) -> None:
             assert m[("bladed_budget_bytes", (("term", "held"),))] == 2 * KPU
             assert ("bladed_budget_bytes", (("term", "m_avail"),)) in m
         after = scrape(UnixHTTPConnection(path))
+        with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+            doc = f.read()
+        for name in {n for n, _ in after}:
+            family = re.sub(r"_(bucket|count|sum|created)$", "", name)
+            assert f"`{family}`" in doc or f"`{name}`" in doc, f"{name} is not documented in docs/operations.md"
         assert after[("bladed_trimmed_bytes_total", ())] == 2 * KPU
         assert after[("bladed_sessions", ())] == 0
         assert after[("bladed_extent_blocks", (("state", "free"),))] == 16384

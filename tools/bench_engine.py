@@ -13,7 +13,9 @@ fio and liburing versions and the target's filesystem go to the JSON output.
 Targets: a preallocated file in ``--target-dir`` (O_DIRECT on both sides), and
 optionally a block device (``--block /dev/loopN``) or an NVMe generic char
 device (``--nvme /dev/ng0n1``, fio ``ioengine=io_uring_cmd``).  Block and NVMe
-targets are overwritten.
+targets are overwritten.  (NVMe passthrough from a registered staging buffer of
+more pages than the queue's ``max_segments`` needs kernel 6.12: 6.1 answers
+EINVAL for every command, see ``tests/vm``.)
 
 Before the first measurement the whole range is written once, so that reads
 hit written blocks (a read of a never-written ext4 extent, a hole of a loop
@@ -22,7 +24,7 @@ touching the medium) and writes overwrite allocated blocks.
 
 Example::
 
-    python tools/bench_engine.py --target-dir var/bench --size 1G --reps 5 --extra engine-4k,fio-batch \\
+    python tools/bench_engine.py --target-dir var/bench --size 1G --reps 5 --extra engine-4k \\
         --json docs/bench/engine-$(date -u +%F).json --markdown
 """
 
@@ -212,16 +214,17 @@ def disk_info(sysdir: str | None) -> dict[str, Any] | None:
     }
 
 
-def disk_counters(sysdir: str | None) -> tuple[int, int, int, int] | None:
-    """(read requests, bytes read, write requests, bytes written) so far by the block
-    device, from its ``stat`` (requests as the device saw them: after splits and merges)."""
+def disk_counters(sysdir: str | None) -> tuple[int, int, int, int, int] | None:
+    """(read requests, bytes read, write requests, bytes written, busy ms) so far by the block
+    device, from its ``stat`` (requests as the device saw them: after splits and merges; busy =
+    ``io_ticks``, the time it had at least one request in flight)."""
     if not sysdir:
         return None
     text = _read(os.path.join(sysdir, "stat"))
     if not text:
         return None
     f = text.split()
-    return int(f[0]), int(f[2]) * 512, int(f[4]), int(f[6]) * 512
+    return int(f[0]), int(f[2]) * 512, int(f[4]), int(f[6]) * 512, int(f[9])
 
 
 def cpu_times() -> list[int]:
@@ -353,7 +356,7 @@ TOOLS = {
     "fio": "fio, ioengine io_uring, fixedbufs=1, otherwise fio's defaults (one submission per I/O)",
     "engine-4k": "bladed engine; staging on plain 4 KiB pages, huge pages refused (like fio's buffers)",
     "fio-batch": "fio as above plus iodepth_batch_submit=QD, iodepth_batch_complete_max=QD "
-                 "(submits and reaps in batches, as the engine does)",
+                 "(fio's batched submission and reaping)",
 }
 EXTRA_TOOLS = ("engine-4k", "fio-batch")
 
@@ -515,7 +518,7 @@ def measure(fn: Callable[[], dict[str, Any]], target: Target, op_name: str, cfg:
     result["host_cpu"] = cpu_shares(c0, c1)
     result["disk"] = None
     if d0 and d1:
-        rio, rd, wio, wr = (b - a for a, b in zip(d0, d1, strict=True))
+        rio, rd, wio, wr, busy_ms = (b - a for a, b in zip(d0, d1, strict=True))
         ours = result["bytes"]
         moved = rd if op_name == "read" else wr
         result["disk"] = {
@@ -527,6 +530,9 @@ def measure(fn: Callable[[], dict[str, Any]], target: Target, op_name: str, cfg:
             "other_written_bytes": wr - (ours if op_name == "write" else 0),
             # False means the bytes did not come from (or go to) the medium: a cache or a hole
             "reached_device": moved >= 0.9 * ours,
+            # the same yardstick for every tool: bytes over the time the disk was busy
+            "busy_ms": busy_ms,
+            "busy_mb_s": moved / (busy_ms / 1e3) / 1e6 if busy_ms else None,
         }
     return result
 
@@ -576,6 +582,8 @@ def build_rows(runs: list[dict[str, Any]], targets: list[dict[str, Any]], ops: l
                         "cpu_us_per_command_median": _median(
                             [r["cpu_pct"] / 100 * r["seconds"] / (r["bytes"] // c) * 1e6 for r in rs]),
                         "device_requests_median": _median([r["disk"]["requests"] for r in rs if r["disk"]]),
+                        "device_busy_mb_s_median": _median([r["disk"]["busy_mb_s"] for r in rs
+                                                            if r["disk"] and r["disk"].get("busy_mb_s")]),
                         "runs_not_reaching_device": sum(1 for r in rs if r["disk"] and not r["disk"]["reached_device"]),
                     }
                 fio_med = per_tool["fio"]["mb_s"]["median"]
@@ -680,21 +688,23 @@ def render_markdown(result: dict[str, Any]) -> str:
     tools = cfg["tools"]
     lines += [
         "",
-        "Per tool, same run: median MB/s, ratio to fio's median, median requests the disk completed per "
-        "measurement (from its `stat`; a split command counts twice, merged commands once) and median CPU "
-        "time of the submitting process per command (user + system, its io_uring worker threads included).",
+        "Every tool of the same run: median MB/s by its own clock and its ratio to fio's median; MB/s by the "
+        "disk's clock (bytes over the time the disk had a request in flight, `io_ticks` of its `stat`: one "
+        "yardstick for all tools); requests the disk completed per measurement (a split command counts twice, "
+        "merged commands once); CPU time of the submitting process per command (user + system, io_uring "
+        "worker threads included). All medians.",
         "",
-        "| target | op | command | " + " | ".join(tools) + " |",
-        "| --- | --- | --- | " + " | ".join("---" for _ in tools) + " |",
+        "| target | op | command | tool | MB/s | ratio to fio | disk-clock MB/s | requests | CPU us/command |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
-        cells = []
         for tool in tools:
             p = r["tools"][tool]
-            cells.append(f"{_fmt(p['mb_s']['median'])} ({_fmt(p['ratio_to_fio'], 2)}x), "
-                         f"{_fmt(p['device_requests_median'])} req, "
-                         f"{_fmt(p['cpu_us_per_command_median'], 1)} us CPU/cmd")
-        lines.append(f"| {r['target']} | {r['op']} | {human_size(r['command_bytes'])} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {r['target']} | {r['op']} | {human_size(r['command_bytes'])} | {tool} "
+                f"| {_fmt(p['mb_s']['median'])} | {_fmt(p['ratio_to_fio'], 2)} "
+                f"| {_fmt(p.get('device_busy_mb_s_median'))} | {_fmt(p['device_requests_median'])} "
+                f"| {_fmt(p['cpu_us_per_command_median'], 1)} |")
     lines += ["", *[f"* `{tool}`: {TOOLS[tool]}" for tool in tools]]
     bad = sum(p["runs_not_reaching_device"] for r in result["rows"] for p in r["tools"].values())
     if bad:

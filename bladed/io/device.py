@@ -48,6 +48,11 @@ class ExtentDevice(abc.ABC):
     zeroes_after_discard: bool
     nsid: int = 0
     max_discard_blocks: int = 0
+    max_zeroes_blocks: int = 0
+
+    def fixed_buffers_usable(self, buffers: Sequence[StagingBuffer]) -> bool:
+        """Whether registering these staging buffers with the ring works for this device."""
+        return True
 
     @property
     def lba_shift(self) -> int:
@@ -67,6 +72,7 @@ class ExtentDevice(abc.ABC):
         limit = self.max_transfer_bytes_huge if huge_pages else self.max_transfer_bytes
         t.max_chunk_bytes = chunk_bytes(limit, self.lba_size)
         t.max_discard_blocks = self.max_discard_blocks
+        t.max_zeroes_blocks = self.max_zeroes_blocks
         t.timeout_ms = 0
         t.discard_mode = discard_mode
         return t
@@ -116,6 +122,17 @@ class ExtentDevice(abc.ABC):
         return f"<{type(self).__name__} {self.path} lba={self.lba_size} blocks={self.capacity_blocks}>"
 
 
+_fixed_unsupported_logged: set[str] = set()
+
+
+def _log_fixed_unsupported(device: ExtentDevice) -> None:
+    if device.path not in _fixed_unsupported_logged:
+        _fixed_unsupported_logged.add(device.path)
+        log.warning("%s: this kernel refuses registered-buffer passthrough commands inside large buffers "
+                    "(Linux < 6.12 counts pages to the end of the buffer against max_segments); "
+                    "using unregistered buffers", device.path)
+
+
 class Engine:
     """One ring bound to one device: what a worker channel owns.
 
@@ -126,14 +143,34 @@ class Engine:
                  buffers: Sequence[StagingBuffer] = ()) -> None:
         self.device = device
         self.ring = Ring(queue_depth, big_sqe=device.big_sqe)
-        huge = bool(buffers) and all(b.huge is HugePages.HUGETLB for b in buffers)
-        self.target = device.make_target(huge_pages=huge)
-        self.registered = self.ring.register_buffers(buffers) if buffers else False
+        self.target = device.make_target()
+        # commands from 2 MiB-page buffers may be larger (one segment per huge
+        # page): those transfers get their own target with the larger limit
+        self.target_huge = device.make_target(huge_pages=True)
+        self._huge_ranges = [(b.address, b.address + b.nbytes) for b in buffers if b.huge is HugePages.HUGETLB]
+        self.registered = False
+        if buffers:
+            if device.fixed_buffers_usable(buffers):
+                self.registered = self.ring.register_buffers(buffers)
+            else:
+                _log_fixed_unsupported(device)
         self._suffix = f" on {device.path}"
 
     @property
     def max_chunk_bytes(self) -> int:
+        """Per-command payload for buffers of ordinary pages (Eq. 7)."""
         return int(self.target.max_chunk_bytes)
+
+    @property
+    def max_chunk_bytes_huge(self) -> int:
+        """Per-command payload for transfers from this engine's hugetlb buffers."""
+        return int(self.target_huge.max_chunk_bytes)
+
+    def _target_for(self, addr: int, nbytes: int) -> Any:
+        for lo, hi in self._huge_ranges:
+            if lo <= addr and addr + nbytes <= hi:
+                return self.target_huge
+        return self.target
 
     def transfer(self, op: Op, slba: int, buf: Any = None, *, offset: int = 0,
                  nbytes: int | None = None, tag: int = 0) -> Transfer:
@@ -153,12 +190,13 @@ class Engine:
                     f"buffer address 0x{addr:x} is not aligned to the {dev.lba_size}-byte LBA "
                     f"(O_DIRECT and NVMe DMA need aligned memory; use a StagingBuffer)",
                 )
+            target = self._target_for(addr, n)
         else:
             if nbytes is None:
                 raise ValueError(f"{op.name.lower()} needs nbytes")
-            n, addr, keep = nbytes, 0, None
+            n, addr, keep, target = nbytes, 0, None, self.target
         dev.check_range(slba, n)
-        return Transfer(self.target, op, slba, n, addr, keep, tag=tag, describe_target=self._suffix)
+        return Transfer(target, op, slba, n, addr, keep, tag=tag, describe_target=self._suffix)
 
     # -- asynchronous --------------------------------------------------------
     def submit(self, op: Op, slba: int, buf: Any = None, *, offset: int = 0,

@@ -15,13 +15,14 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from bladed._uring import ffi, lib
 from bladed.io.device import ExtentDevice
-from bladed.io.errors import BladedIOError, errno_error
-from bladed.io.uring import HUGE_PAGE_SIZE, PAGE_SIZE
+from bladed.io.errors import BladedIOError, NVMeStatusError, errno_error
+from bladed.io.uring import HUGE_PAGE_SIZE, PAGE_SIZE, StagingBuffer
 
 CNS_NAMESPACE = 0
 CNS_CONTROLLER = 1
@@ -52,10 +53,13 @@ class NamespaceIdentity:
 
 
 def identify(fd: int, nsid: int, cns: int) -> bytes:
+    """The 4 KiB Identify data structure (admin opcode 0x06) for ``cns``."""
     buf = ffi.new("char[]", 4096)
     ret = lib.bd_nvme_identify(fd, nsid, cns, buf)
     if ret < 0:
         raise errno_error(-ret, f"NVMe Identify (CNS {cns})")
+    if ret > 0:
+        raise NVMeStatusError(ret, 0, f"Identify (CNS {cns})")
     return bytes(ffi.buffer(buf, 4096))
 
 
@@ -147,7 +151,48 @@ class NvmeDevice(ExtentDevice):
         self.sysfs_block = block_sysfs_of(self.path)
         self.max_transfer_bytes, self.max_transfer_bytes_huge = transfer_limits(ident, self.sysfs_block)
         self.zeroes_after_discard = ident.deallocate_reads_zeroes
-        self.max_discard_blocks = 1 << 20
+        # one DSM range may not exceed DMRSL (the kernel exposes it as
+        # discard_max_hw_bytes); QEMU silently skips a longer range
+        self.max_discard_blocks = self._queue_blocks("discard_max_hw_bytes", 0xFFFFFFFF)
+        self.max_zeroes_blocks = self._queue_blocks("write_zeroes_max_bytes", 65536)
+        self._fixed_ok: bool | None = None
+        self.max_segments = 127
+        if self.sysfs_block:
+            self.max_segments = _read_int(os.path.join(self.sysfs_block, "queue", "max_segments"), 127)
+
+    def _queue_blocks(self, name: str, default: int) -> int:
+        nbytes = _read_int(os.path.join(self.sysfs_block, "queue", name), 0) if self.sysfs_block else 0
+        blocks = nbytes // self.lba_size
+        return min(blocks, default) if blocks else default
+
+    def fixed_buffers_usable(self, buffers: Sequence[StagingBuffer]) -> bool:
+        """Registered buffers no longer than ``max_segments`` pages work on every
+        kernel with fixed-buffer passthrough (6.1+); larger ones need
+        :meth:`fixed_buffers_supported`."""
+        return all(b.nbytes <= self.max_segments * PAGE_SIZE for b in buffers) or self.fixed_buffers_supported()
+
+    def fixed_buffers_supported(self) -> bool:
+        """Whether this kernel takes registered-buffer passthrough commands that
+        start anywhere in a large registered buffer.
+
+        Linux 6.1 (Debian 12) does not: it counts the pages from a command's
+        start to the *end of the registered buffer* against ``max_segments``
+        and fails the command with EINVAL; 6.12 is fine.  Probed once per
+        device with a read of one block into the start of a registered buffer
+        one page longer than ``max_segments`` (a read: the device is untouched).
+        """
+        if self._fixed_ok is None:
+            from bladed.io.uring import Op, Ring, Transfer
+
+            with StagingBuffer((self.max_segments + 1) * PAGE_SIZE) as probe, Ring(1, big_sqe=True) as ring:
+                if not ring.register_buffers([probe]):
+                    self._fixed_ok = False
+                    return False
+                target = self.make_target()
+                x = Transfer(target, Op.READ, 0, self.lba_size, probe.address, (probe, target))
+                ring.run([x])
+                self._fixed_ok = x.ok
+        return self._fixed_ok
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

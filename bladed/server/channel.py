@@ -107,17 +107,19 @@ class Channel:
         sess = self.session
         tb = sess.geometry.token_bytes
         off, nbytes = req.token_start * tb, req.ntokens * tb
-        t0 = time.perf_counter_ns()
+        t0 = time.monotonic_ns()
         hit: float | None = None
         if req.kpu.path is Path.PAGECACHE:
             hit = self._pagecache(req, off, nbytes)
         else:
             self._direct(req, off, nbytes)
-        dt = time.perf_counter_ns() - t0
+        t1 = time.monotonic_ns()
+        dt = t1 - t0
         self.busy_ns += dt
         self.ops += 1
         sess.stats.observe_io(req.kpu.path.value, req.op, nbytes, dt / 1e9, hit)
-        return ok_reply(req.req_id, path=req.kpu.path.value, nbytes=nbytes, service_ns=dt, hit_ratio=hit)
+        return ok_reply(req.req_id, path=req.kpu.path.value, nbytes=nbytes, service_ns=dt, hit_ratio=hit,
+                        started_ns=t0, finished_ns=t1)
 
     def _pagecache(self, req: IORequest, off: int, nbytes: int) -> float | None:
         """Group 1 (and every KPU in baseline/cachepolicy): memcpy between the slot and the mmap'd file."""

@@ -29,7 +29,7 @@ from typing import Any
 from bladed import __version__
 from bladed.config import Config, ConfigError, format_size, group_id, load_config, region_of, reload_changes
 from bladed.config import validate_device as config_device_problems
-from bladed.io import BladedIOError, Engine, ExtentDevice, StagingBuffer, open_device
+from bladed.io import BladedIOError, Engine, ExtentDevice, open_device
 from bladed.protocol import (
     MAX_FRAME_BYTES,
     MIN_PROTOCOL_VERSION,
@@ -354,7 +354,6 @@ class Daemon:
             os.makedirs(cfg.pagecache_dir, mode=0o750, exist_ok=True)
             self._reclaim(start, blocks)
             self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats)
-            self.manager.register_staging = self._fixed_buffers_work(start)
             self._listen()
             if cfg.metrics.enabled:
                 self.metrics = MetricsServer(cfg.metrics_target, Collector(self.stats, self.gauges),
@@ -424,12 +423,16 @@ class Daemon:
         with Engine(dev, 4) as eng:
             for rec in stale:
                 for s, n in rec.extents if same_device else []:
-                    if s < 0 or n <= 0 or s + n > dev.capacity_blocks:
-                        log.warning("stale extent %d+%d of session %s is outside %s; skipped", s, n, rec.id, dev.path)
+                    # only inside today's region: blocks outside it may have been given to someone else
+                    lo, hi = max(s, start), min(s + n, start + blocks)
+                    if hi - lo != n:
+                        log.warning("stale extent %d+%d of session %s is not inside the region [%d, %d); "
+                                    "trimming only the part inside", s, n, rec.id, start, start + blocks)
+                    if hi <= lo:
                         continue
                     try:
-                        eng.discard(s, n)
-                        trimmed += n * dev.lba_size
+                        eng.discard(lo, hi - lo)
+                        trimmed += (hi - lo) * dev.lba_size
                     except BladedIOError as e:
                         log.warning("TRIM of stale extent %d+%d failed: %s", s, n, e)
                 reclaimed += 1
@@ -442,38 +445,6 @@ class Daemon:
             event("reclaim", sessions=reclaimed, trimmed_bytes=trimmed, pagecache_dirs_removed=removed)
         self.journal.reset({"path": dev.path, "kind": dev.kind, "lba_size": dev.lba_size,
                             "region": [start, blocks]})
-
-    def _fixed_buffers_work(self, lba: int) -> bool:
-        """Whether passthrough commands from large registered buffers work on this kernel.
-
-        Linux 6.1 counts a fixed buffer's segments from the command's start to
-        the *end* of the registered buffer and refuses the command (EINVAL)
-        when that exceeds ``max_segments`` pages, so KPU-sized slots cannot be
-        registered there.  Probed once with a read of one block.
-        """
-        dev = self.device
-        if dev.kind != "nvme":
-            return True
-        segments = 127
-        sysfs = getattr(dev, "sysfs_block", None)
-        if sysfs:
-            with contextlib.suppress(OSError, ValueError), open(os.path.join(sysfs, "queue", "max_segments")) as f:
-                segments = int(f.read().strip())
-        buf = StagingBuffer((segments + 2) * 4096)
-        try:
-            with Engine(dev, 1, [buf]) as eng:
-                if not eng.registered:
-                    return True  # nothing gets registered anyway (memlock); logged by the engine
-                eng.read(lba, buf, nbytes=dev.lba_size)
-        except BladedIOError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            log.warning("this kernel refuses passthrough commands from large registered buffers (%s); "
-                        "staging slots are used unregistered", e)
-            return False
-        finally:
-            buf.close()
-        return True
 
     def _listen(self) -> None:
         cfg = self.cfg

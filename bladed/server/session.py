@@ -32,7 +32,7 @@ from bladed.protocol import ErrorCode, RequestError, get_field
 from bladed.residency.budget import Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, ExtentMap, RegionFullError
 from bladed.residency.geometry import Geometry, align_up
-from bladed.residency.planner import BudgetLedger, Mode, Path, Plan, plan_session
+from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
 from bladed.server.channel import BOUNCE_BYTES, Channel, IORequest
 from bladed.server.metrics import Stats
 from bladed.server.state import Journal, SessionRecord
@@ -157,7 +157,6 @@ class SessionManager:
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
         #: register staging slots with io_uring (False where the kernel mishandles it; see the daemon's probe)
-        self.register_staging = True
 
     @property
     def staging_align(self) -> int:
@@ -298,7 +297,7 @@ class SessionManager:
                 sess.bounces.append(bounce)
                 bufs.append(bounce)
             try:
-                engine = Engine(self.device, self.cfg.io.queue_depth, bufs if self.register_staging else [])
+                engine = Engine(self.device, self.cfg.io.queue_depth, bufs)
             except OSError as e:
                 raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {ch}: {e}") from None
             sess.engines.append(engine)
@@ -409,4 +408,4 @@ def sweep_pagecache(root: str) -> int:
     return n
 
 
-__all__ = ["Path", "Peer", "Session", "SessionManager", "event", "sweep_pagecache"]
+__all__ = ["Peer", "Session", "SessionManager", "event", "sweep_pagecache"]

@@ -1,0 +1,231 @@
+"""Find the NVMe controllers and namespaces of this host.
+
+Walks udev's view of sysfs with :mod:`pyudev` (subsystems ``nvme`` for
+controllers, ``nvme-generic`` for the ``/dev/ngXnY`` char devices that the
+NVMe-direct path uses, ``block`` for the ``nvmeXnY`` disks) and, where the
+char device can be opened, asks the controller itself (Identify) for MDTS
+and the namespace geometry.  Without the right to open the device (it is
+``root:root 0600`` by default) the geometry still comes from sysfs and the
+Identify-only fields are ``None``.  A host without NVMe gives empty lists.
+
+Used by ``bladectl`` to list candidate namespaces; the daemon itself opens
+the namespace it is configured with (:class:`bladed.io.nvme.NvmeDevice`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyudev
+
+from bladed._uring import lib
+from bladed.io.nvme import CNS_CONTROLLER, CNS_NAMESPACE, NamespaceIdentity, identify, parse_identity
+
+log = logging.getLogger(__name__)
+
+SECTOR = 512  # sysfs "size" is in 512-byte sectors, whatever the LBA size
+_GENERIC_NAME = re.compile(r"ng(\d+)n(\d+)")
+
+
+@dataclass(frozen=True)
+class NvmeNamespaceInfo:
+    """One NVMe namespace, as bladed would address it."""
+
+    char_device: str                 # /dev/ngXnY: what the NVMe backend opens
+    block_device: str | None         # nvmeXnY (name under /sys/block), None if the kernel made no disk
+    controller: str | None           # nvmeX; None for a multipath head reached through several
+    nsid: int | None                 # None only without a disk and without the right to open the device
+    lba_size: int | None             # bytes per logical block
+    capacity_blocks: int | None
+    capacity_bytes: int | None
+    mdts: int | None                 # Identify Controller MDTS field (0 = no limit); None: not identified
+    mdts_bytes: int | None           # 2^MDTS * 4 KiB; 0 = no limit; None: not identified
+    max_hw_sectors_kb: int | None    # the kernel's per-command cap (follows MDTS)
+    max_segments: int | None         # pages (or contiguous runs) one command may span
+    discard_max_hw_bytes: int | None  # largest single deallocate range (from DMRSL)
+    model: str
+    serial: str
+    firmware: str
+    identified: bool                 # geometry and MDTS came from Identify (else sysfs only)
+
+
+@dataclass(frozen=True)
+class NvmeControllerInfo:
+    """One NVMe controller and the namespaces reached through it."""
+
+    name: str                        # nvmeX
+    device: str | None               # /dev/nvmeX (admin char device)
+    model: str
+    serial: str
+    firmware: str
+    transport: str                   # pcie, tcp, rdma, fc, loop
+    address: str                     # PCI address for pcie
+    namespaces: tuple[NvmeNamespaceInfo, ...]
+
+
+def block_name_for(generic_name: str) -> str | None:
+    """``nvme0n1`` for ``ng0n1``: the kernel numbers both after the same
+    controller (or subsystem) instance and namespace head."""
+    m = _GENERIC_NAME.fullmatch(generic_name)
+    return f"nvme{m.group(1)}n{m.group(2)}" if m else None
+
+
+def _attr_str(dev: pyudev.Device | None, name: str) -> str:
+    if dev is None:
+        return ""
+    try:
+        return dev.attributes.asstring(name).strip()
+    except (KeyError, UnicodeDecodeError, OSError):
+        return ""
+
+
+def _attr_int(dev: pyudev.Device | None, name: str) -> int | None:
+    text = _attr_str(dev, name)
+    try:
+        return int(text, 0) if text else None
+    except ValueError:
+        return None
+
+
+def _identify(char_device: str, nsid: int | None) -> NamespaceIdentity | None:
+    """Identify Namespace + Controller through the char device, or None if it cannot be opened."""
+    try:
+        fd = os.open(char_device, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENXIO, errno.ENODEV):
+            log.warning("%s: cannot open for Identify: %s", char_device, e)
+        return None
+    try:
+        if nsid is None:
+            nsid = lib.bd_nvme_ns_id(fd)
+            if nsid < 0:
+                log.debug("%s: NVME_IOCTL_ID failed: %s", char_device, os.strerror(-nsid))
+                return None
+        ident = parse_identity(nsid, identify(fd, nsid, CNS_NAMESPACE), identify(fd, 0, CNS_CONTROLLER))
+    except OSError as e:   # EACCES/EPERM without CAP_SYS_ADMIN on older kernels
+        log.debug("%s: Identify failed: %s", char_device, e)
+        return None
+    except (IndexError, ValueError) as e:
+        log.warning("%s: unreadable Identify data: %s", char_device, e)
+        return None
+    finally:
+        os.close(fd)
+    if ident.nsze == 0 or ident.lba_size == 0:
+        # an all-zero answer: the controller refused the command
+        log.warning("%s: Identify returned no namespace data", char_device)
+        return None
+    return ident
+
+
+def _namespace(ctx: pyudev.Context, gen: pyudev.Device, do_identify: bool) -> NvmeNamespaceInfo | None:
+    name = gen.sys_name
+    m = _GENERIC_NAME.fullmatch(name)
+    if not m:
+        return None
+    char_device = gen.device_node or f"/dev/{name}"
+    parent = gen.parent
+    controller = parent.sys_name if parent is not None and parent.subsystem == "nvme" else None
+
+    blk: pyudev.Device | None = None
+    bname = block_name_for(name)
+    if bname:
+        try:
+            blk = pyudev.Devices.from_name(ctx, "block", bname)
+        except pyudev.DeviceNotFoundError:
+            blk = None
+    nsid = _attr_int(blk, "nsid")   # the name's "nY" is the head instance, not always the nsid
+
+    lba_size = _attr_int(blk, "queue/logical_block_size")
+    sectors = _attr_int(blk, "size")
+    capacity_bytes = sectors * SECTOR if sectors is not None else None
+    ident = _identify(char_device, nsid) if do_identify else None
+    if ident is not None:
+        nsid = ident.nsid
+        lba_size = ident.lba_size
+        capacity_bytes = ident.nsze * ident.lba_size
+    capacity_blocks = capacity_bytes // lba_size if capacity_bytes is not None and lba_size else None
+
+    # model/serial: the controller's, or the subsystem's for a multipath head
+    info_dev = parent
+    return NvmeNamespaceInfo(
+        char_device=char_device,
+        block_device=blk.sys_name if blk is not None else None,
+        controller=controller,
+        nsid=nsid,
+        lba_size=lba_size,
+        capacity_blocks=capacity_blocks,
+        capacity_bytes=capacity_bytes,
+        mdts=ident.mdts if ident is not None else None,
+        mdts_bytes=ident.mdts_bytes if ident is not None else None,
+        max_hw_sectors_kb=_attr_int(blk, "queue/max_hw_sectors_kb"),
+        max_segments=_attr_int(blk, "queue/max_segments"),
+        discard_max_hw_bytes=_attr_int(blk, "queue/discard_max_hw_bytes"),
+        model=_attr_str(info_dev, "model") or (ident.model if ident else ""),
+        serial=_attr_str(info_dev, "serial") or (ident.serial if ident else ""),
+        firmware=_attr_str(info_dev, "firmware_rev"),
+        identified=ident is not None,
+    )
+
+
+def _context(context: pyudev.Context | None) -> pyudev.Context:
+    return context if context is not None else pyudev.Context()
+
+
+def _sort_key(ns: NvmeNamespaceInfo) -> tuple[int, ...]:
+    m = _GENERIC_NAME.search(ns.char_device)
+    return (int(m.group(1)), int(m.group(2))) if m else (1 << 30,)
+
+
+def list_namespaces(*, identify: bool = True, context: pyudev.Context | None = None) -> list[NvmeNamespaceInfo]:
+    """Every NVMe namespace that has a generic char device, in ``ngXnY`` order.
+
+    ``identify=False`` never opens a device (sysfs only; MDTS is then None).
+    """
+    ctx = _context(context)
+    out = []
+    for gen in ctx.list_devices(subsystem="nvme-generic"):
+        ns = _namespace(ctx, gen, identify)
+        if ns is not None:
+            out.append(ns)
+    return sorted(out, key=_sort_key)
+
+
+def list_controllers(*, identify: bool = True,
+                     context: pyudev.Context | None = None) -> list[NvmeControllerInfo]:
+    """Every NVMe controller with the namespaces whose char device hangs off it."""
+    ctx = _context(context)
+    namespaces = list_namespaces(identify=identify, context=ctx)
+    out = []
+    for dev in ctx.list_devices(subsystem="nvme"):
+        name = dev.sys_name
+        out.append(NvmeControllerInfo(
+            name=name,
+            device=dev.device_node,
+            model=_attr_str(dev, "model"),
+            serial=_attr_str(dev, "serial"),
+            firmware=_attr_str(dev, "firmware_rev"),
+            transport=_attr_str(dev, "transport"),
+            address=_attr_str(dev, "address"),
+            namespaces=tuple(ns for ns in namespaces if ns.controller == name),
+        ))
+    return sorted(out, key=lambda c: int(c.name[4:]) if c.name[4:].isdigit() else 1 << 30)
+
+
+def find_namespace(char_device: str, *, identify: bool = True,
+                   context: pyudev.Context | None = None) -> NvmeNamespaceInfo | None:
+    """The namespace behind ``char_device`` (``/dev/ngXnY`` or a link to it), or None."""
+    want = os.path.realpath(char_device)
+    for ns in list_namespaces(identify=identify, context=context):
+        if os.path.realpath(ns.char_device) == want:
+            return ns
+    return None
+
+
+def as_dict(ns: NvmeNamespaceInfo | NvmeControllerInfo) -> dict[str, Any]:
+    """A JSON-ready dict (for ``bladectl`` output)."""
+    return asdict(ns)
