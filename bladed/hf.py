@@ -24,42 +24,24 @@ from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
+from bladed.residency.geometry import Geometry
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
-@dataclass(frozen=True)
-class CacheGeometry:
-    layers: int
-    batch: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    max_tokens: int
-
-    @property
-    def token_bytes(self) -> int:
-        return self.batch * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def kpu_bytes(self) -> int:
-        return self.token_bytes * self.max_tokens
-
-
-def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype) -> CacheGeometry:
+def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype) -> Geometry:
     """The KV geometry of a transformers decoder config."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = cfg.num_attention_heads
     kvh = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return CacheGeometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
+    return Geometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
                          dtype_bytes=_DTYPE_BYTES[dtype], max_tokens=max_tokens)
 
 
@@ -68,7 +50,7 @@ class _SessionBackend:
 
     prepinned = True
 
-    def __init__(self, session: Any, geometry: CacheGeometry, client: Any = None) -> None:
+    def __init__(self, session: Any, geometry: Geometry, client: Any = None) -> None:
         self.session, self.geometry, self._client = session, geometry, client
         self.channels = int(session.channels)
         self._groups = {(int(k["layer"]), str(k["kind"])): int(k.get("group", 2))
@@ -327,4 +309,4 @@ class BladedCache(Cache):
         self.close()
 
 
-__all__ = ["BladedCache", "BladedLayer", "CacheGeometry", "geometry_for"]
+__all__ = ["BladedCache", "BladedLayer", "Geometry", "geometry_for"]

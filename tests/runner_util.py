@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bladed.runner.kvstore import Kind, KVGeometry, KVOp, MemoryKV
+from bladed.runner.kvstore import Geometry, Kind, KVOp, MemoryKV
 from bladed.runner.models import DecoderModel, ModelConfig, hf_config, tiny_config
 
 CONFIGS: dict[str, ModelConfig] = {
@@ -79,7 +79,7 @@ class Path:
 class ThrottledKV(MemoryKV):
     """``MemoryKV`` whose reads go through a modelled path per group (layers < n1: group 1)."""
 
-    def __init__(self, geometry: KVGeometry, paths: dict[int, Path], n1: int, channels: int = 2) -> None:
+    def __init__(self, geometry: Geometry, paths: dict[int, Path], n1: int, channels: int = 2) -> None:
         super().__init__(geometry, channels, groups={j: 1 if j < n1 else 2 for j in range(geometry.layers)})
         self.paths = paths
 

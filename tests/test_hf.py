@@ -10,12 +10,12 @@ from runner_util import CONFIGS, hf_greedy, hf_model, prompt
 
 from bladed.hf import BladedCache, geometry_for
 from bladed.runner.cli import spawned_daemon
-from bladed.runner.kvstore import KVGeometry, MemoryKV
+from bladed.runner.kvstore import Geometry, MemoryKV
 
 
 def _memory_cache(hf: object, batch: int, max_tokens: int, dtype: torch.dtype, **kw: object) -> BladedCache:
     g = geometry_for(hf.config, batch, max_tokens, dtype)  # type: ignore[attr-defined]
-    geo = KVGeometry(g.layers, g.batch, g.kv_heads, g.head_dim, g.dtype_bytes, g.max_tokens)
+    geo = Geometry(g.layers, g.batch, g.kv_heads, g.head_dim, g.dtype_bytes, g.max_tokens)
     return BladedCache(MemoryKV(geo), dtype=dtype, **kw)  # type: ignore[arg-type]
 
 

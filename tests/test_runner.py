@@ -10,7 +10,7 @@ import torch
 from runner_util import CONFIGS, assert_same, hf_greedy, hf_model, prompt, run, runner_model
 
 from bladed.runner.cli import main, spawned_daemon
-from bladed.runner.kvstore import BladedKV, KVGeometry
+from bladed.runner.kvstore import BladedKV, Geometry
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -67,7 +67,7 @@ def test_kv_through_bladed_equals_in_memory_in_every_mode(case: tuple, daemon: s
 
     _, _, model, ids, ref_tokens, ref_logits = case
     with Client(socket_path=daemon) as client:
-        def factory(g: KVGeometry) -> BladedKV:
+        def factory(g: Geometry) -> BladedKV:
             return BladedKV.open(g, mode=mode, channels=2, client=client)
 
         res = run(model, ids, 6, factory=factory)

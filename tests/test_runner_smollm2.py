@@ -9,7 +9,7 @@ import torch
 
 from bladed.runner.cli import spawned_daemon
 from bladed.runner.engine import Policy, Runner
-from bladed.runner.kvstore import BladedKV, KVGeometry
+from bladed.runner.kvstore import BladedKV, Geometry
 from bladed.runner.weights import load_model, smollm2_dir
 
 
@@ -41,7 +41,7 @@ def test_smollm2_runner_with_offloaded_kv_equals_transformers(smollm2: tuple, da
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     ref = out[0, ids.shape[1]:]
     with Client(socket_path=daemon) as client:
-        def factory(g: KVGeometry) -> BladedKV:
+        def factory(g: Geometry) -> BladedKV:
             return BladedKV.open(g, mode="dualblade", channels=2, client=client)
 
         res = Runner(lm.model, Policy(), kv_factory=factory).generate(ids, 12, eos_token_id=lm.model.cfg.eos_token_id)

@@ -5,8 +5,17 @@ Entry point: ``python -m bladed.runner`` (console script ``bladed-runner`` =
 """
 
 from bladed.runner.engine import GenerationResult, Policy, Runner
-from bladed.runner.kvstore import BladedKV, KVBackend, KVGeometry, MemoryKV
+from bladed.runner.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
 from bladed.runner.models import DecoderModel, ModelConfig
 
-__all__ = ["BladedKV", "DecoderModel", "GenerationResult", "KVBackend", "KVGeometry", "MemoryKV", "ModelConfig",
-           "Policy", "Runner"]
+__all__ = [
+           "BladedKV",
+           "DecoderModel",
+           "GenerationResult",
+           "Geometry",
+           "KVBackend",
+           "MemoryKV",
+           "ModelConfig",
+           "Policy",
+           "Runner",
+]

@@ -16,7 +16,7 @@ import torch
 
 from bladed.pipeline import PIPELINE_MODES
 from bladed.runner.engine import GenerationResult, Policy, Runner
-from bladed.runner.kvstore import BladedKV, KVBackend, KVGeometry, MemoryKV
+from bladed.runner.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
 from bladed.runner.models import gib, kv_bytes
 from bladed.runner.weights import SMOLLM2, load_model, smollm2_gguf
 
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         factory: Any
         if a.backend == "memory":
-            def factory(g: KVGeometry) -> KVBackend:
+            def factory(g: Geometry) -> KVBackend:
                 return MemoryKV(g, channels=max(2, a.copy_threads))
         else:
             from bladed import client as bclient
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = bclient.Client(socket_path=sock)
             stack.callback(client.close)
 
-            def factory(g: KVGeometry) -> KVBackend:
+            def factory(g: Geometry) -> KVBackend:
                 return BladedKV.open(g, mode=a.mode, channels=a.copy_threads, client=client)
         runner = Runner(lm.model, pol, kv_factory=factory, device=device)
         if device == "cuda":

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
-from bladed.runner.kvstore import KVBackend, KVGeometry, SlotTensors, StatsBook, dtype_bytes
+from bladed.runner.kvstore import Geometry, KVBackend, SlotTensors, StatsBook, dtype_bytes
 from bladed.runner.models import DecoderModel
 
-KVFactory = Callable[[KVGeometry], KVBackend]
+KVFactory = Callable[[Geometry], KVBackend]
 
 
 @dataclass
@@ -162,7 +162,7 @@ class Runner:
         try:
             if disk_layers:
                 assert self.kv_factory is not None
-                geo = KVGeometry(layers=len(disk_layers), batch=gbs, kv_heads=cfg.num_kv_heads,
+                geo = Geometry(layers=len(disk_layers), batch=gbs, kv_heads=cfg.num_kv_heads,
                                  head_dim=cfg.head_dim, dtype_bytes=dtype_bytes(dtype), max_tokens=max_tokens)
                 for _ in range(nb):
                     be = self.kv_factory(geo)

@@ -24,6 +24,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from bladed.residency.geometry import Geometry
+
 Kind = Literal["k", "v"]
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
@@ -31,27 +33,6 @@ _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.flo
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return _DTYPE_BYTES[dtype]
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """Mirror of ``bladed.residency.Geometry``: the shape of one session's KV."""
-
-    layers: int
-    batch: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    max_tokens: int
-
-    @property
-    def token_bytes(self) -> int:
-        """One token's K (or V) of one layer, all sequences of the batch (Table II)."""
-        return self.batch * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def kpu_bytes(self) -> int:
-        return self.token_bytes * self.max_tokens
 
 
 @dataclass
@@ -66,7 +47,7 @@ class KVOp:
 
 @runtime_checkable
 class KVBackend(Protocol):
-    geometry: KVGeometry
+    geometry: Geometry
 
     @property
     def channels(self) -> int: ...
@@ -147,7 +128,7 @@ class StatsBook:
 class MemoryKV:
     """The reference backend: every KPU is a buffer in this process."""
 
-    def __init__(self, geometry: KVGeometry, channels: int = 2, groups: dict[int, int] | None = None) -> None:
+    def __init__(self, geometry: Geometry, channels: int = 2, groups: dict[int, int] | None = None) -> None:
         self.geometry = geometry
         self._channels = channels
         self._slots = [bytearray(geometry.kpu_bytes) for _ in range(channels)]
@@ -205,7 +186,7 @@ class BladedKV:
     opened with. Use :meth:`open` to open the session from a client.
     """
 
-    def __init__(self, session: Any, geometry: KVGeometry, owns_client: Any = None) -> None:
+    def __init__(self, session: Any, geometry: Geometry, owns_client: Any = None) -> None:
         self.session = session
         self.geometry = geometry
         self._client = owns_client
@@ -219,7 +200,7 @@ class BladedKV:
         self._nslots = int(getattr(session, "channels", 0) or 0)
 
     @classmethod
-    def open(cls, geometry: KVGeometry, mode: str = "dualblade", channels: int = 2,
+    def open(cls, geometry: Geometry, mode: str = "dualblade", channels: int = 2,
              socket_path: str | None = None, client: Any = None) -> BladedKV:
         from bladed import client as bclient  # floor 2: only the client library
 
@@ -306,5 +287,15 @@ class SlotTensors:
         self.views.clear()
 
 
-__all__ = ["BladedKV", "KVBackend", "KVGeometry", "KVOp", "Kind", "MemoryKV", "PathStats", "SlotTensors",
-           "StatsBook", "dtype_bytes"]
+__all__ = [
+    "BladedKV",
+    "Geometry",
+    "KVBackend",
+    "KVOp",
+    "Kind",
+    "MemoryKV",
+    "PathStats",
+    "SlotTensors",
+    "StatsBook",
+    "dtype_bytes",
+]
