@@ -47,6 +47,7 @@ from bladed.protocol import (
     FrameError,
     FrameReader,
     IncompatibleProtocolError,
+    IntegrityError,
     NoSpaceError,
     NoSuchSessionError,
     OutOfRangeError,
@@ -73,6 +74,7 @@ __all__ = [
     "Client",
     "DaemonLostError",
     "IncompatibleProtocolError",
+    "IntegrityError",
     "NoSpaceError",
     "NoSuchSessionError",
     "OpResult",
@@ -213,7 +215,8 @@ class Client:
         except (FrameError, BadBody) as e:
             err = ProtocolError(f"bad frame from bladed: {e}")
         except OSError as e:
-            err = DaemonLostError(f"lost connection to bladed at {self.socket_path}: {e}")
+            err = DaemonLostError(f"lost connection to bladed at {self.socket_path} ({e.strerror or e}; daemon "
+                                  "stopped, crashed or restarted; reconnect with a new Client)")
         if self._closed:
             err = DaemonLostError("client is closed")
         self._fail_all(err)
@@ -250,12 +253,15 @@ class Client:
 
     # -- sessions ----------------------------------------------------------------
     def open_session(self, geometry: Any, mode: str = "dualblade", channels: int = 2,
-                     staging_bytes: int | None = None, *, pin: bool | None = None) -> Session:
+                     staging_bytes: int | None = None, *, pin: bool | None = None,
+                     checksums: bool | None = None) -> Session:
         """Open a session: the daemon plans it (Algorithm 1) and binds its extents (Eq. 3-6).
 
         ``staging_bytes`` defaults to one KPU-sized slot per channel; ``pin``
         (None = when torch with CUDA is already imported) registers the
-        staging mapping with ``cudaHostRegister``.
+        staging mapping with ``cudaHostRegister``.  ``checksums`` (None = the
+        daemon's ``io.checksums``): the daemon keeps a crc32c of every token
+        row written and fails a read whose data differs with IntegrityError.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -278,8 +284,9 @@ class Client:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             mapping = mmap.mmap(fd, staging_bytes)
             try:
+                extra = {} if checksums is None else {"checksums": bool(checksums)}
                 reply = self.call("open_session", (fd,), geometry=geo, mode=mode, channels=channels,
-                                  staging_bytes=staging_bytes)
+                                  staging_bytes=staging_bytes, **extra)
             except BaseException:
                 mapping.close()
                 raise

@@ -61,6 +61,9 @@ class DeviceConfig:
     region_blocks: int = 0
     #: file/block backends: per-command payload (nvme: derived from MDTS)
     max_command_bytes: int = 1 << 20
+    #: after a session's TRIM: "auto" = Write Zeroes where the device does not read zeroes after a
+    #: deallocate (or the deallocate failed); "always" = Write Zeroes every freed extent
+    zero_freed: str = "auto"
 
 
 @dataclass
@@ -76,8 +79,12 @@ class BudgetConfig:
     cap: int | None = None
     #: cgroup (v1 or v2 path) whose limits bound M_max; "" = the daemon's own
     cgroup: str = ""
-    #: how often the budget terms are re-sampled for metrics and status (seconds)
+    #: how often the budget terms are re-sampled for metrics, status and live re-planning (seconds)
     interval_s: float = 5.0
+    #: re-sample B_pc while running (periodically and on memory pressure) and demote live sessions' KPUs
+    live_replan: bool = True
+    #: dualblade sessions reserve extent blocks for every KPU at open, so demotions always fit
+    reserve_extent: bool = False
 
 
 @dataclass
@@ -89,6 +96,8 @@ class IOConfig:
     max_outstanding: int = 256
     #: a reply that cannot be sent within this time closes the connection
     send_timeout_s: float = 30.0
+    #: default of open_session's ``checksums``: crc32c of every token row written, verified on read
+    checksums: bool = False
     #: most staging memory (all channels) one session may have the daemon map and pin
     max_staging_bytes: int = 4 << 30
 
@@ -381,6 +390,8 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"device.lba_size: the file backend supports 512 to 4096, got {lba}")
         if d.size and d.size % lba:
             p.append(f"device.size: {d.size} is not a multiple of the {lba}-byte LBA")
+    if d.zero_freed not in ("auto", "always"):
+        p.append(f"device.zero_freed: must be \"auto\" or \"always\", got {d.zero_freed!r}")
     if d.max_command_bytes < 4096:
         p.append(f"device.max_command_bytes: must be at least 4096, got {d.max_command_bytes}")
     if not cfg.pagecache.directory:

@@ -66,6 +66,7 @@ class ErrorCode(enum.StrEnum):
     NO_SPACE = "no_space"                        # the region has no extent large enough
     BUSY = "busy"                                # too many outstanding requests, or sessions open (trim)
     IO_ERROR = "io_error"                        # the device or the page-cache file failed
+    INTEGRITY_ERROR = "integrity_error"          # a read's crc32c differs from what was written (checksums on)
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
@@ -132,6 +133,12 @@ class RemoteIOError(BladedError, OSError):
     code = ErrorCode.IO_ERROR
 
 
+class IntegrityError(BladedError):
+    """A read returned data whose crc32c differs from what was written (session checksums on)."""
+
+    code = ErrorCode.INTEGRITY_ERROR
+
+
 class ShuttingDownError(BladedError):
     code = ErrorCode.SHUTTING_DOWN
 
@@ -155,6 +162,7 @@ _ERROR_CLASSES: dict[ErrorCode, type[BladedError]] = {
     ErrorCode.NO_SPACE: NoSpaceError,
     ErrorCode.BUSY: BusyError,
     ErrorCode.IO_ERROR: RemoteIOError,
+    ErrorCode.INTEGRITY_ERROR: IntegrityError,
     ErrorCode.SHUTTING_DOWN: ShuttingDownError,
     ErrorCode.INTERNAL: BladedError,
 }
@@ -320,8 +328,20 @@ def ok_reply(req_id: Any, **fields: Any) -> dict[str, Any]:
     return {"id": req_id, "ok": True, **fields}
 
 
+#: longest error message sent; hostile values echoed in a message are cut, so a reply always fits a frame
+MAX_ERROR_MESSAGE = 1024
+
+
+def clip(text: str, limit: int = MAX_ERROR_MESSAGE) -> str:
+    """``text``, cut in the middle with ``...`` when longer than ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    head = limit * 3 // 4
+    return f"{text[:head]}...{text[len(text) - (limit - head - 3):]}"
+
+
 def error_reply(req_id: Any, code: ErrorCode, message: str) -> dict[str, Any]:
-    return {"id": req_id, "ok": False, "error": {"code": code.value, "message": message}}
+    return {"id": req_id, "ok": False, "error": {"code": code.value, "message": clip(message)}}
 
 
 def hello_request(req_id: int, client: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ WANT_VM=1
 
 say() { echo "setup: $*" >&2; }
 
-APT_PKGS=(liburing-dev liburing2 fio util-linux kmod pkg-config gcc systemd)
+APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd)
 [ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static)
 missing=()
 for p in "${APT_PKGS[@]}"; do

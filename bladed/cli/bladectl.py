@@ -606,6 +606,16 @@ def ns_setup(target: str, as_json: bool, backend: str, size_text: str, region_st
         emit(result, as_json, human)
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """The KV benchmark suite (sweep / run / report): `bladectl bench --help`."""
+    from bladed.bench import main as bench_main
+
+    sys.exit(bench_main(list(args)))
+
+
 def main() -> None:
     cli(prog_name="bladectl")
 

@@ -45,6 +45,11 @@ class IORequest:
 _STOP = object()
 
 
+@dataclass
+class _Task:
+    fn: Callable[[Channel], object]
+
+
 class Channel:
     """A worker thread + Engine bound to one staging slot."""
 
@@ -72,6 +77,10 @@ class Channel:
                                                "(io.max_outstanding); wait for completions")
         self._queue.put(req)
 
+    def post(self, task: Callable[[Channel], object]) -> None:
+        """Queue daemon work (a live demotion) to run on this worker between requests."""
+        self._queue.put(_Task(task))
+
     def stop(self, *, abandon: bool) -> None:
         """Finish (or, if ``abandon``: skip) queued requests, then end the thread."""
         if abandon:
@@ -89,6 +98,12 @@ class Channel:
                 return
             if self._abandon.is_set():
                 continue  # nobody is left to answer
+            if isinstance(req, _Task):
+                try:
+                    req.fn(self)
+                except Exception:
+                    log.exception("session %s channel %d: task failed", self.session.id, self.index)
+                continue
             try:
                 body = self._execute(req)
             except RequestError as e:
@@ -104,6 +119,19 @@ class Channel:
 
     # -- the two paths -----------------------------------------------------------
     def _execute(self, req: IORequest) -> dict[str, Any]:
+        # a pending live demotion of this KPU is carried out first (bladed.server.replan)
+        live = self.session.live
+        tid = req.kpu.tensor_id
+        req.kpu = live.begin(tid, self.engine)
+        try:
+            body = self._serve(req)
+        finally:
+            live.end(tid)
+        if req.op == "write":
+            live.wrote(tid, req.token_start + req.ntokens)
+        return body
+
+    def _serve(self, req: IORequest) -> dict[str, Any]:
         sess = self.session
         tb = sess.geometry.token_bytes
         off, nbytes = req.token_start * tb, req.ntokens * tb
@@ -113,6 +141,14 @@ class Channel:
             hit = self._pagecache(req, off, nbytes)
         else:
             self._direct(req, off, nbytes)
+        if sess.checksums is not None:
+            # record (write) or verify (read) the crc32c of each token row: bladed.server.integrity
+            try:
+                sess.checksums.after(req.op, req.kpu.tensor_id, req.kpu.layer, req.kpu.kind, self.slot.view(),
+                                     req.token_start, req.ntokens)
+            except RequestError:
+                sess.stats.add("integrity_errors")
+                raise
         t1 = time.monotonic_ns()
         dt = t1 - t0
         self.busy_ns += dt

@@ -49,7 +49,7 @@ from bladed.protocol import (
 )
 from bladed.residency.extents import ExtentAllocator
 from bladed.server.metrics import Collector, MetricsServer, Stats
-from bladed.server.session import Peer, Session, SessionManager, event, sweep_pagecache
+from bladed.server.session import Peer, Session, SessionManager, event, scrub, sweep_pagecache
 from bladed.server.state import Journal, StateLockedError
 
 log = logging.getLogger("bladed")
@@ -309,6 +309,7 @@ class Connection:
     def _op_stats(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         out = self.daemon.stats.snapshot()
         out.update(self.daemon.gauges())
+        out["replan"] = self.daemon.manager.replanner.to_dict()
         out["time"] = time.time()
         return out
 
@@ -362,6 +363,8 @@ class Daemon:
             self.journal.release()
             raise
         self._sample_budget()
+        # keep re-sampling B_pc and demote live sessions' KPUs when it shrinks (bladed.server.replan)
+        self.manager.replanner.start()
         desc = self.device.describe()
         event("daemon_start", version=__version__, pid=os.getpid(), backend=desc["kind"], device=desc["path"],
               lba_size=desc["lba_size"], region=f"{start}+{blocks}", socket=cfg.socket_path,
@@ -430,11 +433,11 @@ class Daemon:
                                     "trimming only the part inside", s, n, rec.id, start, start + blocks)
                     if hi <= lo:
                         continue
-                    try:
-                        eng.discard(lo, hi - lo)
-                        trimmed += (hi - lo) * dev.lba_size
-                    except BladedIOError as e:
-                        log.warning("TRIM of stale extent %d+%d failed: %s", s, n, e)
+                    # TRIM, plus Write Zeroes where the device does not read zeroes after it
+                    t, _z, safe = scrub(dev, lo, hi - lo, always_zero=self.cfg.device.zero_freed == "always")
+                    trimmed += t
+                    if not safe:
+                        log.error("stale extent %d+%d of session %s could not be zeroed", s, n, rec.id)
                 reclaimed += 1
                 event("session_reclaim", session=rec.id, uid=rec.uid, pid=rec.pid, extents=len(rec.extents),
                       pagecache_dir=rec.pagecache_dir or "none")
@@ -668,6 +671,8 @@ class Daemon:
                 setattr(getattr(self.cfg, section), key, getattr(getattr(new, section), key))
             if "log.level" in applied or "log.format" in applied:
                 setup_logging(self.cfg)
+            if any(name.startswith("budget.") for name in applied):
+                self.manager.replanner.restart()   # new override/cap/cgroup: re-sample and apply now
             event("reload", applied=",".join(applied) or "none", needs_restart=",".join(restart) or "none")
         finally:
             sd_notify("READY=1", f"STATUS=serving on {self.cfg.socket_path} (reloaded)")
@@ -686,6 +691,7 @@ class Daemon:
             c.shutdown_read()
         for c in conns:
             c.thread.join()
+        self.manager.replanner.stop()
         self.manager.close_all("shutdown")
         if self.metrics is not None:
             self.metrics.close()

@@ -64,6 +64,12 @@ class Stats:
         self.pagecache_read_bytes = 0
         self.pagecache_hit_bytes = 0.0
         self.trimmed_bytes = 0
+        #: Write Zeroes on teardown (devices without zeroes after deallocate, or device.zero_freed = "always")
+        self.zeroed_bytes = 0
+        #: extents kept out of use because they could be neither deallocated to zeroes nor zeroed
+        self.quarantined_bytes = 0
+        #: reads whose crc32c did not match what was written (sessions with checksums on)
+        self.integrity_errors = 0
         self.sessions_opened = 0
         self.sessions_closed = 0
         self.sessions_reclaimed = 0
@@ -100,6 +106,9 @@ class Stats:
                               "hit_ratio": (self.pagecache_hit_bytes / self.pagecache_read_bytes
                                             if self.pagecache_read_bytes else None)},
                 "trimmed_bytes": self.trimmed_bytes,
+                "zeroed_bytes": self.zeroed_bytes,
+                "quarantined_bytes": self.quarantined_bytes,
+                "integrity_errors": self.integrity_errors,
                 "sessions_opened": self.sessions_opened,
                 "sessions_closed": self.sessions_closed,
                 "sessions_reclaimed": self.sessions_reclaimed,

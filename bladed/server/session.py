@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bladed.config import Config
-from bladed.io import Engine, ExtentDevice, StagingBuffer
+from bladed.io import BladedIOError, Engine, ExtentDevice, StagingBuffer
 from bladed.io.pagecache import PageCacheStore
 from bladed.protocol import ErrorCode, RequestError, get_field
 from bladed.residency.budget import Budgeter
@@ -34,7 +34,9 @@ from bladed.residency.extents import Extent, ExtentAllocator, ExtentMap, RegionF
 from bladed.residency.geometry import Geometry, align_up
 from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
 from bladed.server.channel import BOUNCE_BYTES, Channel, IORequest
+from bladed.server.integrity import Checksums
 from bladed.server.metrics import Stats
+from bladed.server.replan import LiveReplanner, LiveState
 from bladed.server.state import Journal, SessionRecord
 
 log = logging.getLogger("bladed.session")
@@ -89,6 +91,11 @@ class Session:
         self.engines: list[Engine] = []
         self.channels: list[Channel] = []
         self.closing = False
+        #: per-token-row crc32c (``checksums`` in open_session); None = off
+        self.checksums: Checksums | None = None
+        #: bytes Write-Zeroed at teardown (devices that do not read zeroes after a deallocate)
+        self.zeroed_bytes = 0
+        self.live = LiveState(self)
 
     @property
     def storage_bytes(self) -> int:
@@ -116,7 +123,7 @@ class Session:
             "extent": None if self.extent is None else {"start": self.extent.start, "nblocks": self.extent.nblocks},
             "ops": sum(c.ops for c in self.channels),
             "busy_s": sum(c.busy_ns for c in self.channels) / 1e9,
-        }
+        } | self.live.to_dict()
 
     def request(self, req_id: Any, op: str, body: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
         """Validate a write/read and queue it on its channel (replies come from the worker)."""
@@ -154,6 +161,7 @@ class SessionManager:
         self.journal = journal
         self.stats = stats
         self.ledger = BudgetLedger()
+        self.replanner = LiveReplanner(self)
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
         #: register staging slots with io_uring (False where the kernel mishandles it; see the daemon's probe)
@@ -233,6 +241,9 @@ class SessionManager:
             while sid in self.sessions:
                 sid = secrets.token_hex(4)
         sess = Session(sid, peer, geometry, plan, budget, self.stats)
+        if get_field(body, "checksums", bool, default=cfg.io.checksums):
+            sess.checksums = Checksums(geometry)
+        sess.live.replanner = self.replanner
         quota = cfg.access.quota_bytes_per_uid.get(peer.uid, cfg.access.quota_bytes)
         if quota and self.uid_bytes(peer.uid) + sess.storage_bytes > quota:
             raise RequestError(ErrorCode.QUOTA_EXCEEDED,
@@ -258,7 +269,14 @@ class SessionManager:
         """Bind (§IV-A): extent + extent map, page-cache files, staging mapping, engines."""
         plan = sess.plan
         blocks = plan.extent_blocks
-        if blocks:
+        if plan.mode is Mode.DUALBLADE and self.cfg.budget.reserve_extent and plan.reserve_blocks > blocks:
+            # room for every KPU, so a live demotion always fits (docs/architecture.md, re-planning)
+            try:
+                sess.extent = self.allocator.allocate(plan.reserve_blocks, owner=sess.id)
+            except RegionFullError:
+                log.info("session %s: no room to reserve %d blocks; allocating the plan's %d",
+                         sess.id, plan.reserve_blocks, blocks)
+        if blocks and sess.extent is None:
             try:
                 sess.extent = self.allocator.allocate(blocks, owner=sess.id)
             except RegionFullError as e:
@@ -324,7 +342,7 @@ class SessionManager:
         self.ledger.release(sess.id)
         self.stats.add("sessions_closed")
         event("session_close", session=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, reason=reason,
-              ops=sum(c.ops for c in sess.channels), trimmed_bytes=trimmed,
+              ops=sum(c.ops for c in sess.channels), trimmed_bytes=trimmed, zeroed_bytes=sess.zeroed_bytes,
               files_removed=len(sess.pc_files), lived_s=f"{time.time() - sess.opened:.1f}")
 
     def _release(self, sess: Session, *, trim: bool) -> int:
@@ -332,17 +350,23 @@ class SessionManager:
         trimmed = 0
         if sess.extent is not None:
             ext, sess.extent = sess.extent, None
-            lba = self.device.lba_size
-
-            def discard(start: int, nblocks: int) -> None:
-                nonlocal trimmed
-                with Engine(self.device, 4) as eng:
-                    eng.discard(start, nblocks)
-                trimmed += nblocks * lba
-
-            # paper §IV-B: Dataset Management deallocate of the session's LBA range on teardown
-            self.allocator.free(ext, trim=discard if trim else None)
-            self.stats.add("trimmed_bytes", trimmed)
+            if not trim:
+                self.allocator.free(ext)  # a half-opened session never wrote to its extent
+            else:
+                # paper §IV-B: Dataset Management deallocate of the session's LBA range on teardown,
+                # plus Write Zeroes where a deallocated block may still read back old data
+                trimmed, zeroed, safe = scrub(self.device, ext.start, ext.nblocks,
+                                              always_zero=self.cfg.device.zero_freed == "always")
+                sess.zeroed_bytes = zeroed
+                if safe:
+                    self.allocator.free(ext)
+                else:
+                    # never hand out blocks that may still hold this session's bytes
+                    log.error("session %s: extent %d+%d could be neither deallocated to zeroes nor zeroed; "
+                              "keeping it out of use until restart", sess.id, ext.start, ext.nblocks)
+                    self.stats.add("quarantined_bytes", ext.nblocks * self.device.lba_size)
+                self.stats.add("trimmed_bytes", trimmed)
+                self.stats.add("zeroed_bytes", zeroed)
         for f in sess.pc_files.values():
             try:
                 f.close(unlink=True)
@@ -394,6 +418,33 @@ def _check_memfd(fd: int, need: int) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"the staging memfd has {st.st_size} bytes, {need} announced")
 
 
+def scrub(device: ExtentDevice, start: int, nblocks: int, *, always_zero: bool = False) -> tuple[int, int, bool]:
+    """Deallocate ``nblocks`` from ``start`` and make sure they read back as zeroes.
+
+    TRIM first (paper §IV-B).  Where the device does not promise zeroes after a
+    deallocate (NVMe DLFEAT, punched holes), or the deallocate failed, or
+    ``always_zero``: Write Zeroes too, so a later session never reads an
+    earlier one's bytes.  Returns (trimmed bytes, zeroed bytes, safe to reuse).
+    """
+    lba = device.lba_size
+    trimmed = zeroed = 0
+    with Engine(device, 4) as eng:
+        try:
+            eng.discard(start, nblocks)
+            trimmed = nblocks * lba
+        except BladedIOError as e:
+            log.warning("TRIM of LBA [%d, %d) failed: %s", start, start + nblocks, e)
+        if trimmed and device.zeroes_after_discard and not always_zero:
+            return trimmed, 0, True
+        try:
+            eng.write_zeroes(start, nblocks)
+            zeroed = nblocks * lba
+        except BladedIOError as e:
+            log.error("Write Zeroes of LBA [%d, %d) failed: %s", start, start + nblocks, e)
+            return trimmed, 0, False
+    return trimmed, zeroed, True
+
+
 def sweep_pagecache(root: str) -> int:
     """Remove session directories a previous instance left in ``root``; returns how many."""
     n = 0
@@ -408,4 +459,4 @@ def sweep_pagecache(root: str) -> int:
     return n
 
 
-__all__ = ["Peer", "Session", "SessionManager", "event", "sweep_pagecache"]
+__all__ = ["Peer", "Session", "SessionManager", "event", "scrub", "sweep_pagecache"]

@@ -1,0 +1,170 @@
+"""Child memory cgroups for the sweep, and dropping the page cache.
+
+A :class:`MemCgroup` is created below the memory cgroup that charges this
+process (cgroup v1 on hybrid hosts, else v2), given a hard limit, and removed
+afterwards.  A process is placed in it *before* it executes anything (the
+launcher writes its own pid to ``cgroup.procs`` and then ``exec``s), so every
+page it touches is charged there from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shlex
+import subprocess
+import time
+import uuid
+from typing import Any
+
+from bladed.residency.budget import locate_memory_cgroup
+
+V1_UNLIMITED = 9223372036854771712
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+class MemCgroup:
+    """A memory cgroup below ours with a hard limit (``None``: unlimited)."""
+
+    def __init__(self, limit_bytes: int | None, *, prefix: str = "bladed-bench") -> None:
+        if os.geteuid() != 0:
+            raise PermissionError(errno.EPERM, "child memory cgroups need root")
+        info = locate_memory_cgroup()
+        if info.version == "none":
+            raise RuntimeError("this host has no memory cgroup controller")
+        self.version = info.version
+        self.parent = info.path
+        if self.version == "v2":
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.parent, "cgroup.subtree_control"), "+memory")
+        self.path = os.path.join(self.parent, f"{prefix}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(self.path)
+        self.set_limit(limit_bytes)
+
+    @property
+    def limit_file(self) -> str:
+        return os.path.join(self.path, "memory.limit_in_bytes" if self.version == "v1" else "memory.max")
+
+    def set_limit(self, nbytes: int | None) -> None:
+        if nbytes is None:
+            _write(self.limit_file, "-1" if self.version == "v1" else "max")
+        else:
+            _write(self.limit_file, str(int(nbytes)))
+
+    def limit(self) -> int | None:
+        v = _read(self.limit_file).strip()
+        if v == "max" or int(v) >= V1_UNLIMITED:
+            return None
+        return int(v)
+
+    def stat(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            for line in _read(os.path.join(self.path, "memory.stat")).splitlines():
+                k, _, v = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    out[k] = int(v)
+        return out
+
+    def usage(self) -> int:
+        name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+        try:
+            return int(_read(os.path.join(self.path, name)))
+        except (OSError, ValueError):
+            return 0
+
+    def page_cache_bytes(self) -> int:
+        """File-backed pages charged here (v1 ``cache`` less ``shmem``, v2 ``file`` less ``shmem``)."""
+        s = self.stat()
+        total = s.get("cache", s.get("file", 0))
+        return max(0, total - s.get("shmem", 0))
+
+    def failcnt(self) -> int | None:
+        if self.version != "v1":
+            return None
+        try:
+            return int(_read(os.path.join(self.path, "memory.failcnt")))
+        except (OSError, ValueError):
+            return None
+
+    def events(self) -> dict[str, int]:
+        """v2 ``memory.events``; v1: ``oom_kill`` from ``memory.oom_control``."""
+        out: dict[str, int] = {}
+        name = "memory.oom_control" if self.version == "v1" else "memory.events"
+        with contextlib.suppress(OSError):
+            for line in _read(os.path.join(self.path, name)).splitlines():
+                k, _, v = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    out[k] = int(v)
+        return out
+
+    def procs(self) -> list[int]:
+        try:
+            return [int(x) for x in _read(os.path.join(self.path, "cgroup.procs")).split()]
+        except OSError:
+            return []
+
+    def launcher(self, argv: list[str]) -> list[str]:
+        """``argv`` wrapped so the process joins this cgroup before it ``exec``s."""
+        procs = shlex.quote(os.path.join(self.path, "cgroup.procs"))
+        return ["/bin/sh", "-c", f'echo $$ > {procs} && exec "$@"', "bladed-bench-cg", *argv]
+
+    def remove(self, timeout: float = 30.0) -> None:
+        """Move leftover processes to the parent and remove the cgroup."""
+        if not os.path.isdir(self.path):
+            return
+        for pid in self.procs():
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.parent, "cgroup.procs"), str(pid))
+        if self.version == "v1":
+            # hand the charged page cache back to the parent before the directory goes
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.path, "memory.force_empty"), "0")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError as e:
+                # EBUSY while an exiting task is still listed: the kernel finishes this on its own
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "path": self.path, "limit_bytes": self.limit()}
+
+    def __enter__(self) -> MemCgroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def drop_caches() -> float:
+    """``sync`` then ``echo 3 > /proc/sys/vm/drop_caches``; returns the seconds it took."""
+    t0 = time.perf_counter()
+    os.sync()
+    _write("/proc/sys/vm/drop_caches", "3")
+    return time.perf_counter() - t0
+
+
+def can_drop_caches() -> bool:
+    return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def run_quiet(argv: list[str]) -> str | None:
+    try:
+        return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,474 @@
+"""The memory-limit sweep: cgroup limit steps, cold caches, alternation, repetition.
+
+A sweep is a list of *points* (configuration, pipeline, memory limit, and for
+Table V a fixed page-cache budget).  Points that share a limit form a
+*round*; every repetition visits every round, and a round starts with its
+reference measurements (fio's sequential write and read of the same
+filesystem, the resident page-cache read bandwidth) followed by its runs in
+the order of one row of a Williams Latin square (:func:`balanced_order`):
+every configuration runs in every position and after every other one, so
+what a run leaves behind does not always land on the same successor.  Rounds
+are visited forwards in even repetitions and backwards in odd ones, so slow
+drift of the shared disk does not line up with one limit or configuration.
+
+Every run starts cold: ``sync; echo 3 > /proc/sys/vm/drop_caches``, a wait
+until the disk has been idle for 0.5 s (at most 20 s: ext4 mounted with
+``discard`` sends the discards of the blocks the previous teardown freed
+after the sync), then a fresh memory cgroup with the limit, a fresh server
+process placed in it (the bladed daemon, or the Baseline's TorchDisk child),
+the workload, and teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bladed.bench import probes
+from bladed.bench.cgroup import MemCgroup, can_drop_caches, drop_caches
+from bladed.bench.metrics import (
+    DiskSampler,
+    block_device_of,
+    latency_stats,
+    rss_bytes,
+    union_seconds,
+    wait_device_idle,
+)
+from bladed.bench.workload import (
+    LABELS,
+    REPO,
+    BladedTarget,
+    KVTarget,
+    OpRecord,
+    RunTrace,
+    TorchDiskTarget,
+    Workload,
+    WorkloadSpec,
+)
+
+SCHEMA = "bladed.bench_kv/1"
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration at one memory limit."""
+
+    study: str                   # "sweep" (Fig. 3/10/11/12, Table IV), "pipeline" (P·P on/off), "alpha" (Table V),
+    #                              "headroom" (Dual-Blade with a smaller budget than Eq. 1-2 gives)
+    config: str                  # baseline | cachepolicy | direct | dualblade
+    pipeline: str                # adaptive | intra | cross | off
+    limit_bytes: int | None      # None: no limit
+    budget_override: int | None = None
+    alpha: float | None = None
+    dma: str | None = None       # None: the plan's workload setting
+
+    @property
+    def round_key(self) -> tuple[str, int | None, float | None]:
+        return (self.study if self.study == "alpha" else "limit", self.limit_bytes, self.alpha)
+
+
+@dataclass
+class SweepPlan:
+    spec: WorkloadSpec
+    points: list[Point]
+    reps: int = 5
+    workdir: str = "/var/tmp/bladed-bench"
+    fio_size: int = GiB
+    pc_probe_size: int = 512 * MiB
+    drop: bool = True
+    sample_interval: float = 0.1
+    keep_series: str = "lowest"   # all | lowest | none: which runs keep their device time series
+    settle: bool = True           # wait for the device to go idle before every run and probe
+    store_bytes: int = 0          # the daemon's store file (0: KV set + 256 MiB)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def rounds(self) -> list[tuple[tuple[str, int | None, float | None], list[Point]]]:
+        out: dict[tuple[str, int | None, float | None], list[Point]] = {}
+        for p in self.points:
+            out.setdefault(p.round_key, []).append(p)
+        return list(out.items())
+
+    @property
+    def total_runs(self) -> int:
+        return self.reps * len(self.points)
+
+
+#: the daemon's own anonymous memory when it plans a session (about 24 MiB seen), for the headroom study
+DAEMON_ANON_ESTIMATE = 32 * MiB
+
+
+def headroom_override(limit: int, kpu_bytes: int, frac: float, channels: int = 2) -> int:
+    """A page-cache budget ``frac`` of the limit below what Eq. 1-2 gives (for the headroom study)."""
+    stride = -(-kpu_bytes // 4096) * 4096
+    return max(0, int(limit - channels * stride - DAEMON_ANON_ESTIMATE - frac * limit))
+
+
+def default_points(configs: list[str], limits: list[int], pipelines: list[str], *,
+                   pp_limits: list[int] | None = None, alphas: list[float] | None = None, kv_bytes: int = 0,
+                   kpu_bytes: int = 0, alpha_headroom: int = 256 * MiB, headroom_limits: list[int] | None = None,
+                   headroom_frac: float = 0.05, alpha_dma: str | None = None) -> list[Point]:
+    """The main sweep, the pipeline on/off study, the budget-headroom study and the Table V study."""
+    pts = [Point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
+    for lim in pp_limits or []:
+        for pl in pipelines[1:]:
+            pts.extend(Point("pipeline", c, pl, lim) for c in configs)
+    for lim in headroom_limits or []:
+        pts.append(Point("headroom", "dualblade", pipelines[0], lim,
+                         budget_override=headroom_override(lim, kpu_bytes, headroom_frac)))
+    for a in alphas or []:
+        override = int(a * kv_bytes)
+        lim = override + 2 * kpu_bytes + alpha_headroom
+        for pl in pipelines:
+            pts.append(Point("alpha", "dualblade", pl, lim, budget_override=override, alpha=a, dma=alpha_dma))
+    return pts
+
+
+# -- environment -------------------------------------------------------------------------
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def machine_info(workdir: str) -> dict[str, Any]:
+    cpu = None
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = None
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            mem = int(line.split()[1]) * 1024
+    os_name = None
+    for line in (_read("/etc/os-release") or "").splitlines():
+        if line.startswith("PRETTY_NAME="):
+            os_name = line.split("=", 1)[1].strip('"')
+    sysdir = block_device_of(workdir)
+    disk = None
+    if sysdir:
+        disk = {"sysfs": sysdir, "name": os.path.basename(sysdir),
+                "scheduler": _read(os.path.join(sysdir, "queue", "scheduler")),
+                "rotational": _read(os.path.join(sysdir, "queue", "rotational")),
+                "max_sectors_kb": _read(os.path.join(sysdir, "queue", "max_sectors_kb"))}
+    fs = None
+    st = os.stat(workdir)
+    devno = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for line in (_read("/proc/self/mountinfo") or "").splitlines():
+        left, _, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        if len(f) > 4 and f[2] == devno and len(r) > 1:
+            fs = {"mount_point": f[4], "fstype": r[0], "source": r[1]}
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    return {
+        "hostname": socket.gethostname(), "cpu_model": cpu, "cpus": os.cpu_count(), "memory_bytes": mem,
+        "kernel": platform.release(), "kernel_version": platform.version(), "os": os_name,
+        "python": platform.python_version(), "fio": probes.fio_version(), "disk": disk, "filesystem": fs,
+        "git_commit": commit, "loadavg_start": _read("/proc/loadavg"),
+    }
+
+
+# -- one run -----------------------------------------------------------------------------------
+
+def _stats(recs: list[OpRecord], client: bool = False) -> dict[str, Any]:
+    return latency_stats([r.seconds if client else r.service_ns / 1e9 for r in recs])
+
+
+def _union_gbps(recs: list[OpRecord]) -> float | None:
+    if not recs:
+        return None
+    span = union_seconds((r.t0, r.t1) for r in recs)
+    return sum(r.nbytes for r in recs) / span / 1e9 if span > 0 else None
+
+
+def _busy(recs: list[OpRecord]) -> float | None:
+    dur = sum(r.seconds for r in recs)
+    return min(1.0, sum(r.ticks_ms for r in recs) / 1e3 / dur) if dur > 0 else None
+
+
+def summarize_trace(trace: RunTrace) -> dict[str, Any]:
+    """Aggregates of one run's op records (Table IV, hit ratio, bytes per path and group)."""
+    ops = trace.ops
+    pw = [o for o in ops if o.phase == "prefill" and o.op == "write"]
+    dr = [o for o in ops if o.phase == "decode" and o.op == "read"]
+    dw = [o for o in ops if o.phase == "decode" and o.op == "write"]
+    read_bytes = sum(o.nbytes for o in dr)
+    hit_bytes = sum((o.hit or 0.0) * o.nbytes for o in dr)
+    by_group: dict[str, Any] = {}
+    for g in sorted({o.group for o in dr}):
+        rs = [o for o in dr if o.group == g]
+        nb = sum(o.nbytes for o in rs)
+        by_group[str(g)] = {"read_bytes": nb, "hit_ratio": sum((o.hit or 0.0) * o.nbytes for o in rs) / nb
+                            if nb else None, "kpus": len({(o.layer, o.kind) for o in rs})}
+    per_step: dict[str, dict[str, int]] = {}
+    for o in dr:
+        d = per_step.setdefault(str(o.step), {"g1": 0, "g2": 0})
+        d["g1" if o.group == 1 else "g2"] += o.nbytes
+    # a one-token append issued while the other channel streams a read from the device waits behind it
+    dev_reads = [o for o in dr if o.path != "pagecache" or (o.hit or 0.0) < 0.95]
+
+    def contended(w: OpRecord) -> bool:
+        return any(r.ch != w.ch and r.t0 < w.t1 and w.t0 < r.t1 for r in dev_reads)
+
+    dw_alone = [o for o in dw if not contended(o)]
+    dw_cont = [o for o in dw if contended(o)]
+    lat: dict[str, Any] = {
+        "prefill_write": _stats(pw), "decode_read": _stats(dr), "decode_write": _stats(dw),
+        "prefill_write_client": _stats(pw, True), "decode_read_client": _stats(dr, True),
+        "decode_write_client": _stats(dw, True),
+        "decode_read_miss": _stats([o for o in dr if (o.hit or 0.0) < 0.05]),
+        "decode_read_hit": _stats([o for o in dr if (o.hit or 0.0) >= 0.95]),
+    }
+    for path in sorted({o.path for o in ops}):
+        lat[f"prefill_write[{path}]"] = _stats([o for o in pw if o.path == path])
+        lat[f"decode_read[{path}]"] = _stats([o for o in dr if o.path == path])
+        lat[f"decode_write[{path}]"] = _stats([o for o in dw if o.path == path])
+        lat[f"decode_write_client[{path}]"] = _stats([o for o in dw if o.path == path], True)
+        lat[f"decode_write_alone[{path}]"] = _stats([o for o in dw_alone if o.path == path])
+        lat[f"decode_write_contended[{path}]"] = _stats([o for o in dw_cont if o.path == path])
+    busy = {"prefill_write": _busy(pw), "decode_read": _busy(dr), "decode_write": _busy(dw),
+            "decode_read_miss": _busy([o for o in dr if (o.hit or 0.0) < 0.05])}
+    thr = {"prefill_write_GBps": _union_gbps(pw), "decode_read_GBps": _union_gbps(dr),
+           "prefill_write_direct_GBps": _union_gbps([o for o in pw if o.path == "direct"]),
+           "decode_read_direct_GBps": _union_gbps([o for o in dr if o.path == "direct"])}
+    moved = sum(o.nbytes for o in ops)
+    cpu_total = sum(v for v in trace.cpu_s.values() if v is not None) if trace.cpu_s else None
+    return {
+        "prefill_s": trace.prefill_s, "decode_s": trace.decode_s, "step_s": trace.step_seconds,
+        "hit_ratio": hit_bytes / read_bytes if read_bytes else None,
+        "hit_by_group": by_group,
+        "bytes": {"prefill_written": sum(o.nbytes for o in pw), "decode_read": read_bytes,
+                  "decode_written": sum(o.nbytes for o in dw), "decode_read_per_step": per_step},
+        "latency": lat, "busy": busy, "throughput": thr,
+        "cpu": {"prefill_s": trace.cpu_s.get("prefill"), "decode_s": trace.cpu_s.get("decode"),
+                "s_per_GB": cpu_total / (moved / 1e9) if cpu_total is not None and moved else None,
+                "bytes_moved": moved},
+        "disk_phase": trace.disk_phase,
+        "pipeline_report": trace.pipeline,
+        "verify": {"checked": trace.verify_checked, "errors": trace.verify_errors},
+    }
+
+
+class Runner:
+    """Runs points, one cold run at a time, and collects the records."""
+
+    def __init__(self, plan: SweepPlan, progress: Callable[[str], None] | None = None) -> None:
+        self.plan = plan
+        os.makedirs(plan.workdir, exist_ok=True)
+        self.sysdir = block_device_of(plan.workdir)
+        self.progress = progress
+        self._drop_ok = plan.drop and can_drop_caches()
+
+    def make_target(self, p: Point, spec: WorkloadSpec, state_dir: str, cg: MemCgroup | None) -> KVTarget:
+        launcher = cg.launcher if cg is not None else None
+        if p.config == "baseline":
+            return TorchDiskTarget(spec, state_dir, launcher)
+        extra: dict[str, dict[str, Any]] = {}
+        if p.budget_override is not None:
+            extra["budget"] = {"override": p.budget_override}
+        store = self.plan.store_bytes or (-(-(spec.kv_bytes + 256 * MiB) // MiB) * MiB)
+        return BladedTarget(p.config, spec, state_dir, store_bytes=store, launcher=launcher, daemon_config=extra)
+
+    def run_point(self, p: Point, rep: int, keep_series: bool) -> dict[str, Any]:
+        spec = replace(self.plan.spec, pipeline=p.pipeline, dma=p.dma or self.plan.spec.dma)
+        state_dir = os.path.join(self.plan.workdir, "run")
+        shutil.rmtree(os.path.join(state_dir, "pagecache"), ignore_errors=True)
+        shutil.rmtree(os.path.join(state_dir, "torchdisk"), ignore_errors=True)
+        rec: dict[str, Any] = {"study": p.study, "config": p.config, "label": LABELS[p.config],
+                               "pipeline": p.pipeline, "limit_bytes": p.limit_bytes, "alpha": p.alpha,
+                               "budget_override": p.budget_override, "rep": rep, "dma": spec.dma,
+                               "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+        rec["drop_caches_s"] = drop_caches() if self._drop_ok else None
+        rec["cold"] = self._drop_ok
+        rec["settle_s"], rec["settled"] = self.settle()
+        cg = MemCgroup(p.limit_bytes) if os.geteuid() == 0 else None
+        target: KVTarget | None = None
+        sampler: DiskSampler | None = None
+        cg_samples: list[int] = []
+        try:
+            t_setup = time.perf_counter()
+            target = self.make_target(p, spec, state_dir, cg)
+            rec["setup_s"] = time.perf_counter() - t_setup
+            rec["target"] = target.info()
+            marks: dict[str, float] = {}
+            extra = (lambda: {"page_cache": float(cg.page_cache_bytes()), "usage": float(cg.usage())}) \
+                if cg is not None else None
+            if self.sysdir:
+                sampler = DiskSampler(self.sysdir, self.plan.sample_interval, extra=extra).start()
+            wl = Workload(spec, target, self.sysdir)
+            trace = wl.run(on_phase=lambda ph: marks.__setitem__(ph, time.perf_counter()))
+            rec["server_rss_bytes_end"] = {str(pid): rss_bytes(pid) for pid in target.pids()}
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            if cg is not None:
+                rec["cgroup"] = {"version": cg.version, "failcnt": cg.failcnt(), "events": cg.events(),
+                                 "stat_end": {k: v for k, v in cg.stat().items()
+                                              if k in ("cache", "rss", "shmem", "mapped_file", "dirty",
+                                                       "writeback", "active_file", "inactive_file", "file",
+                                                       "anon", "kernel")}}
+            t_close = time.perf_counter()
+            try:
+                if target is not None:
+                    target.close()
+            finally:
+                rec["close_s"] = time.perf_counter() - t_close
+                if cg is not None:
+                    cg.remove()
+        rec.update(summarize_trace(trace))
+        if sampler is not None:
+            t0 = trace.t_start
+            if cg is not None:
+                cg_samples = [int(v["page_cache"]) for (t, v) in sampler.extra_samples
+                              if trace.t_decode_start <= t <= trace.t_end]
+                rec.setdefault("cgroup", {})["page_cache_decode_median"] = \
+                    statistics.median(cg_samples) if cg_samples else None
+                rec["cgroup"]["usage_max"] = max((int(v["usage"]) for _, v in sampler.extra_samples), default=None)
+            if keep_series:
+                s = sampler.series(t0)
+                rec["series"] = {**s, "prefill_end": trace.t_prefill_end - t0, "decode_start":
+                                 trace.t_decode_start - t0, "end": trace.t_end - t0}
+        return rec
+
+    def settle(self) -> tuple[float | None, bool | None]:
+        """Let the device finish what the previous run left (writeback, discards of freed blocks)."""
+        if not self.plan.settle or self.sysdir is None:
+            return None, None
+        return wait_device_idle(self.sysdir)
+
+    def round_probes(self, device: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+        if not device:
+            return out
+        d = os.path.join(self.plan.workdir, "probe")
+        os.makedirs(d, exist_ok=True)
+        if self._drop_ok:
+            drop_caches()
+        out["settle_s"], out["settled"] = self.settle()
+        try:
+            out["fio"] = probes.fio_seq(d, self.plan.fio_size)
+        except (OSError, RuntimeError, ValueError, KeyError) as e:
+            out["fio"] = {"error": str(e)}
+        out["pagecache"] = probes.pagecache_read_bw(d, self.plan.pc_probe_size)
+        return out
+
+
+def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
+              bare_write: bool = True) -> dict[str, Any]:
+    """Run every point ``plan.reps`` times (see the module doc); write the JSON after every run."""
+    runner = Runner(plan)
+    spec = plan.spec
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(plan.workdir),
+        "workload": spec.to_dict(),
+        "plan": {"reps": plan.reps, "points": [p.__dict__ for p in plan.points], "workdir": plan.workdir,
+                 "fio_size": plan.fio_size, "pc_probe_size": plan.pc_probe_size, "cold_runs": runner._drop_ok,
+                 "cgroups": os.geteuid() == 0, "settle": plan.settle, "order": "williams",
+                 "sample_interval": plan.sample_interval, "notes": plan.notes},
+        "rounds": [], "runs": [], "reference": {},
+    }
+    lock = threading.Lock()
+
+    def save() -> None:
+        if out_path is None:
+            return
+        tmp = out_path + ".tmp"
+        with lock, open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=_json_default)
+        os.replace(tmp, out_path)
+
+    if bare_write:
+        d = os.path.join(plan.workdir, "probe")
+        os.makedirs(d, exist_ok=True)
+        doc["reference"]["bare_uring_write"] = probes.bare_uring_writes(
+            d, spec.token_bytes, spec.kpu_bytes, spec.prompt_len, min(spec.gen_len, 8), 2 * spec.layers)
+    rounds = plan.rounds()
+    lowest = min((p.limit_bytes for p in plan.points if p.study == "sweep" and p.limit_bytes), default=None)
+    t_start = time.perf_counter()
+    for rep in range(plan.reps):
+        order = rounds if rep % 2 == 0 else list(reversed(rounds))
+        for ri, (key, pts) in enumerate(order):
+            # the alpha study needs no device ceilings
+            rnd = {"rep": rep, "key": list(key), "index": ri,
+                   **runner.round_probes(device=any(p.study != "alpha" for p in pts))}
+            doc["rounds"].append(rnd)
+            for p in [pts[i] for i in balanced_order(len(pts), rep)]:
+                if bar is not None:
+                    lim = f"{p.limit_bytes / GiB:.2f}G" if p.limit_bytes else "nolimit"
+                    bar.set_postfix_str(f"rep {rep + 1}/{plan.reps} {p.study} {p.config}/{p.pipeline} {lim}")
+                keep = plan.keep_series == "all" or (plan.keep_series == "lowest" and p.limit_bytes == lowest
+                                                     and p.study == "sweep")
+                try:
+                    rec = runner.run_point(p, rep, keep)
+                except Exception as e:  # one failed run must not lose the sweep
+                    rec = {"study": p.study, "config": p.config, "pipeline": p.pipeline, "rep": rep,
+                           "limit_bytes": p.limit_bytes, "alpha": p.alpha, "error": f"{type(e).__name__}: {e}"}
+                rec["round"] = len(doc["rounds"]) - 1
+                doc["runs"].append(rec)
+                save()
+                if bar is not None:
+                    bar.update(1)
+    doc["wall_s"] = time.perf_counter() - t_start
+    doc["machine"]["loadavg_end"] = _read("/proc/loadavg")
+    save()
+    return doc
+
+
+def balanced_order(n: int, rep: int) -> list[int]:
+    """Row ``rep`` of a Williams Latin square: over n repetitions every point runs once in every position
+    and (n even) directly after every other point once, so what one run leaves behind (writeback, the
+    discards of blocks it freed) does not always land on the same successor."""
+    if n <= 1:
+        return list(range(n))
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [(x + rep) % n for x in first]
+    return row if (rep // n) % 2 == 0 else row[::-1]
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"cannot serialise {type(o).__name__}")
+
+
+__all__ = [
+    "SCHEMA",
+    "Point",
+    "Runner",
+    "SweepPlan",
+    "balanced_order",
+    "default_points",
+    "headroom_override",
+    "machine_info",
+    "run_sweep",
+    "summarize_trace",
+]

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Long reliability runs (the CI-sized versions are tests/test_fuzz_protocol.py,
+tests/test_faults.py and tests/test_soak.py):
+
+    tools/reliability.py fuzz  --cases 1000000 [--seed N]
+    tools/reliability.py kills --kills 10000
+    tools/reliability.py soak  --seconds 600
+
+Each starts its own daemon on a file store in a temporary directory and prints
+one JSON line of figures (for docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+from daemon_util import DaemonProcess, short_tmpdir  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    f = sub.add_parser("fuzz")
+    f.add_argument("--cases", type=int, default=1_000_000)
+    f.add_argument("--seed", type=int, default=int(time.time()))
+    k = sub.add_parser("kills")
+    k.add_argument("--kills", type=int, default=10_000)
+    k.add_argument("--seed", type=int, default=int(time.time()))
+    s = sub.add_parser("soak")
+    s.add_argument("--seconds", type=float, default=600.0)
+    s.add_argument("--sessions", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.what == "fuzz":
+        from test_fuzz_protocol import fuzz_daemon, run_fuzz
+
+        with fuzz_daemon() as d:
+            out = run_fuzz(d, a.cases, a.seed)
+        out["seed"] = a.seed
+    elif a.what == "kills":
+        import psutil
+        from test_faults import assert_clean, run_kills
+
+        from bladed.client import Client
+
+        with short_tmpdir() as tmp, DaemonProcess(tmp, {"budget": {"override": 6 * 64 * 1024}}).start() as d, \
+                Client(d.socket_path) as c:
+            rss0 = psutil.Process(d.pid).memory_info().rss
+            t0 = time.monotonic()
+            out = run_kills(d.socket_path, a.kills, a.seed)
+            out["seconds"] = time.monotonic() - t0
+            st = assert_clean(d, c, None, None)
+            out.update(sessions_opened=st["sessions_opened"], trimmed_bytes=st["trimmed_bytes"],
+                       rss_before=rss0, rss_after=psutil.Process(d.pid).memory_info().rss)
+    else:
+        from test_soak import SOAK_CONFIG, run_soak
+
+        with short_tmpdir() as tmp, DaemonProcess(tmp, SOAK_CONFIG).start() as d:
+            out = run_soak(d.socket_path, a.seconds, a.seed, a.sessions)
+        assert out["mismatches"] == [], out["mismatches"][:5]
+    print(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
