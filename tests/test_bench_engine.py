@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -60,7 +59,6 @@ def test_bad_arguments_are_refused(tmp_path: pathlib.Path) -> None:
     assert proc.returncode == 2
 
 
-@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (tools/setup.sh installs it)")
 def test_end_to_end_small(store_dir: str, tmp_path: pathlib.Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
