@@ -39,7 +39,8 @@ def test_sweep_end_to_end(store_dir: str, tmp_path: pathlib.Path) -> None:
     out.mkdir()
     js, md = str(out / "kv-sweep-test.json"), str(out / "kv-report.md")
     rc = main(["sweep", *TINY, "--limits", "0.25", "--pp-limits", "0.25", "--alphas", "0.5", "--reps", "1",
-               "--headroom-limits", "0.25", "--no-drop", "--no-settle", "--fio-size", "8M", "--pc-probe-size", "8M",
+               "--headroom-limits", "0.25", "--noreplan-limits", "0.25", "--no-drop", "--no-settle",
+               "--fio-size", "8M", "--pc-probe-size", "8M",
                "--keep-series", "all",
                "--workdir", os.path.join(store_dir, "w"), "--json", js, "--report", md])
     assert rc == 0
@@ -50,8 +51,9 @@ def test_sweep_end_to_end(store_dir: str, tmp_path: pathlib.Path) -> None:
     assert doc["machine"]["kernel"] and doc["date"]
     assert doc["workload"]["kv_bytes"] == 2 * 4 * (1 * 4 * 512 * 2) * (32 + 5)
     runs = doc["runs"]
-    # 4 configs in the sweep, 4 with the pipeline off, 1 with budget headroom, 2 (on/off) for alpha
-    assert len(runs) == 11
+    # 4 configs in the sweep, 4 with the pipeline off, 1 with budget headroom, 1 without live re-planning,
+    # 2 (on/off) for alpha
+    assert len(runs) == 12
     assert [r for r in runs if "error" in r] == []
     assert sorted(r["config"] for r in runs if r["study"] == "sweep") == sorted(CONFIGS)
     assert {r["pipeline"] for r in runs if r["study"] == "pipeline"} == {"off"}
@@ -67,6 +69,8 @@ def test_sweep_end_to_end(store_dir: str, tmp_path: pathlib.Path) -> None:
         assert r["latency"]["decode_write"]["n"] == 8 * 4
         assert "series" in r and len(r["series"]["t"]) == len(r["series"]["read_GBps"])
     by_cfg = {r["config"]: r for r in runs if r["study"] == "sweep"}
+    assert by_cfg["dualblade"]["target_end"]["replan"] is not None
+    assert next(r for r in runs if r["study"] == "noreplan")["live_replan"] is False
     assert by_cfg["direct"]["hit_ratio"] == 0.0
     assert by_cfg["direct"]["target"]["plan"]["paths"] == {"pagecache": 0, "direct": 8}
     assert by_cfg["baseline"]["target"]["target"] == "torchdisk"
@@ -82,7 +86,7 @@ def test_sweep_end_to_end(store_dir: str, tmp_path: pathlib.Path) -> None:
 
     text = pathlib.Path(md).read_text()
     for heading in ("Fig. 10", "Fig. 11", "Targets", "Table IV", "Fig. 12", "Table V", "Pipeline parallelism",
-                    "headroom"):
+                    "budget headroom", "live re-planning off"):
         assert heading in text
     for name in ("fig3", "fig10", "fig11", "fig12", "table5"):
         png = out / f"kv-{name}.png"

@@ -89,7 +89,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     pts = default_points(a.configs, limits, a.pipelines, pp_limits=[int(x * GiB) for x in a.pp_limits],
                          alphas=a.alphas, kv_bytes=spec.kv_bytes, kpu_bytes=spec.kpu_bytes,
                          headroom_limits=[int(x * GiB) for x in a.headroom_limits], headroom_frac=a.headroom_frac,
-                         alpha_dma=a.alpha_dma)
+                         alpha_dma=a.alpha_dma, noreplan_limits=[int(x * GiB) for x in a.noreplan_limits])
     plan = SweepPlan(spec=spec, points=pts, reps=a.reps, workdir=a.workdir, fio_size=a.fio_size,
                      pc_probe_size=a.pc_probe_size, drop=not a.no_drop, keep_series=a.keep_series,
                      settle=not a.no_settle,
@@ -157,8 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pipelines", type=_names(PIPELINES), default=["adaptive", "off"],
                    help="first: the main sweep's; the others for the on/off and alpha studies")
     s.add_argument("--pp-limits", type=_floats, default=[1.0], help="limits (GiB) of the P·P on/off study")
-    s.add_argument("--headroom-limits", type=_floats, default=[1.0, 1.5, 2.0],
+    s.add_argument("--headroom-limits", type=_floats, default=[],
                    help="limits (GiB) where Dual-Blade also runs with a budget below Eq. 1-2's ('' for none)")
+    s.add_argument("--noreplan-limits", type=_floats, default=[0.5, 1.0, 2.0],
+                   help="limits (GiB) where Dual-Blade also runs with budget.live_replan = false ('' for none)")
     s.add_argument("--headroom-frac", type=float, default=0.05, help="that budget: this fraction of the limit less")
     s.add_argument("--alphas", type=_floats, default=[0.3, 0.5, 0.7], help="Table V tiering ratios ('' for none)")
     s.add_argument("--alpha-dma", choices=DMA_MODES, default="model",

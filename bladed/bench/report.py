@@ -413,16 +413,23 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
           f"![Fig. 3]({png_dir_rel}/{png_prefix}-fig3.png)", "", f"![Fig. 11]({png_dir_rel}/{png_prefix}-fig11.png)",
           "", "Hit ratio = page-cache-resident bytes / bytes read in decode (`cachestat(2)` on the exact range "
           "just before each copy; NVMe-direct reads count as misses). *Fits* = min(1, B_pc / KV set) with the "
-          "B_pc the daemon computed (Eq. 1-2) at that limit; *Group 1* = the share Algorithm 1 admitted.", ""]
+          "B_pc the daemon computed (Eq. 1-2) at session open; *Group 1* = the share Algorithm 1 admitted then. The "
+          "daemon re-samples B_pc while the session runs and may demote Group 1 KPUs to the NVMe-direct path "
+          "(live re-planning); their reads then count as misses.", ""]
     rows = []
     for lim in lims:
         f, g1 = fits_fraction(doc, lim), group1_fraction(doc, lim)
         bl_pc = med([r for r in ok_runs(doc, "sweep", "baseline") if r["limit_bytes"] == lim],
                     "cgroup.page_cache_decode_median")
+        dbr = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
         rows.append([gib(lim), "-" if f is None else f"{f:.2f}", "-" if g1 is None else f"{g1:.2f}"]
-                    + [cell(c, lim, "hit_ratio", 3) for c in CONFIGS] + [fmt(bl_pc, 2, 1 / GiB, spread=False)])
+                    + [cell(c, lim, "hit_ratio", 3) for c in CONFIGS]
+                    + [fmt(med(dbr, "target_end.session.demoted_kpus"), 0, spread=False),
+                       fmt(med(dbr, "hit_by_path.pagecache.hit_ratio"), 3),
+                       fmt(bl_pc, 2, 1 / GiB, spread=False)])
     L += [_table(["limit (GiB)", "fits", "Group 1"] + [LABELS[c] for c in CONFIGS]
-                 + ["Baseline page cache in decode (GiB)"], rows), ""]
+                 + ["Dual-Blade KPUs demoted live", "Dual-Blade page-cache-path hit",
+                    "Baseline page cache in decode (GiB)"], rows), ""]
 
     # -- targets ------------------------------------------------------------------------------
     L += ["## Targets", ""]
@@ -591,26 +598,33 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
         L += [_table(["limit (GiB)", "config", "decode w/o P·P", "decode w/ P·P", "ratio", "decision (most runs)"],
                      rows), ""]
 
-    hr = ok_runs(doc, "headroom")
-    if hr:
-        L += ["## Dual-Blade with budget headroom (diagnostic)", "",
-              "The same limits with `budget.override` set below the B_pc of Eq. 1-2 (the limit less 2 M_pin, "
-              "32 MiB for the daemon and a further fraction of the limit, see `plan.points`), to show what the "
-              "Group 1 set loses when it is planned without room for the kernel memory and file pages the "
-              "cgroup is also charged for. Ratio = headroom / as-is of runs in the same round.", ""]
+    diag = {"headroom": ("budget headroom", "`budget.override` below the B_pc of Eq. 1-2 (the limit less 2 M_pin, "
+                         "32 MiB for the daemon and a further fraction of the limit; see `plan.points`)"),
+            "noreplan": ("live re-planning off", "`budget.live_replan = false`: the plan made at session open "
+                         "is kept for the whole run")}
+    for study, (name, how) in diag.items():
+        hr = ok_runs(doc, study)
+        if not hr:
+            continue
+        L += [f"## Dual-Blade with {name} (diagnostic)", "",
+              f"Dual-Blade as in the main sweep (*as-is*) and with {how}, at the same limits. *Demoted* = KPUs the "
+              "daemon moved from Group 1 to the NVMe-direct path during the run (live re-planning); *page-cache "
+              "hit* = hit ratio of the reads served on the page-cache path. Ratio = variant / as-is of runs in the "
+              "same round.", ""]
         rows = []
         for lim in sorted({r["limit_bytes"] for r in hr}):
             h = [r for r in hr if r["limit_bytes"] == lim]
             base = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
             bases = {r.get("round"): r for r in base}
             pairs = [r["decode_s"] / bases[r.get("round")]["decode_s"] for r in h if r.get("round") in bases]
-            for name, rs in (("as-is (Eq. 1-2)", base), ("headroom", h)):
-                rows.append([gib(lim), name, fmt(med(rs, "target.plan.budget_bytes"), 2, 1 / GiB, spread=False),
+            for label, rs in (("as-is", base), (name, h)):
+                rows.append([gib(lim), label, fmt(med(rs, "target.plan.budget_bytes"), 2, 1 / GiB, spread=False),
                              fmt(med(rs, "target.plan.group1_bytes"), 2, 1 / GiB, spread=False),
-                             fmt(med(rs, "hit_by_group.1.hit_ratio"), 3), fmt(med(rs, "hit_ratio"), 3),
-                             fmt(med(rs, "decode_s")), fmt(summarize(pairs)) if name == "headroom" else ""])
-        L += [_table(["limit (GiB)", "Dual-Blade", "B_pc (GiB)", "Group 1 (GiB)", "Group 1 hit ratio",
-                      "hit ratio", "decode (s)", "ratio"], rows), ""]
+                             fmt(med(rs, "target_end.session.demoted_kpus"), 0),
+                             fmt(med(rs, "hit_by_path.pagecache.hit_ratio"), 3), fmt(med(rs, "hit_ratio"), 3),
+                             fmt(med(rs, "decode_s")), fmt(summarize(pairs)) if label == name else ""])
+        L += [_table(["limit (GiB)", "Dual-Blade", "B_pc at open (GiB)", "Group 1 at open (GiB)", "demoted",
+                      "page-cache hit", "hit ratio", "decode (s)", "ratio"], rows), ""]
 
     al = ok_runs(doc, "alpha")
     if al:

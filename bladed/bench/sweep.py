@@ -68,13 +68,15 @@ class Point:
     """One configuration at one memory limit."""
 
     study: str                   # "sweep" (Fig. 3/10/11/12, Table IV), "pipeline" (P·P on/off), "alpha" (Table V),
-    #                              "headroom" (Dual-Blade with a smaller budget than Eq. 1-2 gives)
+    #                              "headroom" (Dual-Blade with a smaller budget than Eq. 1-2 gives),
+    #                              "noreplan" (Dual-Blade with the daemon's live re-planning off)
     config: str                  # baseline | cachepolicy | direct | dualblade
     pipeline: str                # adaptive | intra | cross | off
     limit_bytes: int | None      # None: no limit
     budget_override: int | None = None
     alpha: float | None = None
     dma: str | None = None       # None: the plan's workload setting
+    live_replan: bool | None = None  # None: the daemon's default (budget.live_replan)
 
     @property
     def round_key(self) -> tuple[str, int | None, float | None]:
@@ -120,8 +122,10 @@ def headroom_override(limit: int, kpu_bytes: int, frac: float, channels: int = 2
 def default_points(configs: list[str], limits: list[int], pipelines: list[str], *,
                    pp_limits: list[int] | None = None, alphas: list[float] | None = None, kv_bytes: int = 0,
                    kpu_bytes: int = 0, alpha_headroom: int = 256 * MiB, headroom_limits: list[int] | None = None,
-                   headroom_frac: float = 0.05, alpha_dma: str | None = None) -> list[Point]:
-    """The main sweep, the pipeline on/off study, the budget-headroom study and the Table V study."""
+                   headroom_frac: float = 0.05, alpha_dma: str | None = None,
+                   noreplan_limits: list[int] | None = None) -> list[Point]:
+    """The main sweep, the pipeline on/off study, the budget-headroom and no-live-replan diagnostics and
+    the Table V study."""
     pts = [Point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
     for lim in pp_limits or []:
         for pl in pipelines[1:]:
@@ -129,6 +133,8 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
     for lim in headroom_limits or []:
         pts.append(Point("headroom", "dualblade", pipelines[0], lim,
                          budget_override=headroom_override(lim, kpu_bytes, headroom_frac)))
+    for lim in noreplan_limits or []:
+        pts.append(Point("noreplan", "dualblade", pipelines[0], lim, live_replan=False))
     for a in alphas or []:
         override = int(a * kv_bytes)
         lim = override + 2 * kpu_bytes + alpha_headroom
@@ -176,15 +182,18 @@ def machine_info(workdir: str) -> dict[str, Any]:
         f, r = left.split(), right.split()
         if len(f) > 4 and f[2] == devno and len(r) > 1:
             fs = {"mount_point": f[4], "fstype": r[0], "source": r[1]}
-    commit = None
+    commit = dirty = None
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "--",
+                                     "bladed", "cffi_build"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip())
     return {
         "hostname": socket.gethostname(), "cpu_model": cpu, "cpus": os.cpu_count(), "memory_bytes": mem,
         "kernel": platform.release(), "kernel_version": platform.version(), "os": os_name,
         "python": platform.python_version(), "fio": probes.fio_version(), "disk": disk, "filesystem": fs,
-        "git_commit": commit, "loadavg_start": _read("/proc/loadavg"),
+        "git_commit": commit, "git_dirty": dirty, "loadavg_start": _read("/proc/loadavg"),
     }
 
 
@@ -220,10 +229,19 @@ def summarize_trace(trace: RunTrace) -> dict[str, Any]:
         nb = sum(o.nbytes for o in rs)
         by_group[str(g)] = {"read_bytes": nb, "hit_ratio": sum((o.hit or 0.0) * o.nbytes for o in rs) / nb
                             if nb else None, "kpus": len({(o.layer, o.kind) for o in rs})}
+    by_path: dict[str, Any] = {}
+    for path in sorted({o.path for o in dr}):
+        rs = [o for o in dr if o.path == path]
+        nb = sum(o.nbytes for o in rs)
+        by_path[path] = {"read_bytes": nb, "hit_ratio": sum((o.hit or 0.0) * o.nbytes for o in rs) / nb
+                         if nb else None, "kpus": len({(o.layer, o.kind) for o in rs})}
+    # T_ideal's split: what each step really read through the page cache and from the device directly
+    # (a KPU the daemon demoted during the run counts where it was read from)
     per_step: dict[str, dict[str, int]] = {}
     for o in dr:
-        d = per_step.setdefault(str(o.step), {"g1": 0, "g2": 0})
-        d["g1" if o.group == 1 else "g2"] += o.nbytes
+        d = per_step.setdefault(str(o.step), {"g1": 0, "g2": 0, "g1_plan": 0, "g2_plan": 0})
+        d["g2" if o.path == "direct" else "g1"] += o.nbytes
+        d["g1_plan" if o.group == 1 else "g2_plan"] += o.nbytes
     # a one-token append issued while the other channel streams a read from the device waits behind it
     dev_reads = [o for o in dr if o.path != "pagecache" or (o.hit or 0.0) < 0.95]
 
@@ -256,7 +274,7 @@ def summarize_trace(trace: RunTrace) -> dict[str, Any]:
     return {
         "prefill_s": trace.prefill_s, "decode_s": trace.decode_s, "step_s": trace.step_seconds,
         "hit_ratio": hit_bytes / read_bytes if read_bytes else None,
-        "hit_by_group": by_group,
+        "hit_by_group": by_group, "hit_by_path": by_path,
         "bytes": {"prefill_written": sum(o.nbytes for o in pw), "decode_read": read_bytes,
                   "decode_written": sum(o.nbytes for o in dw), "decode_read_per_step": per_step},
         "latency": lat, "busy": busy, "throughput": thr,
@@ -285,7 +303,9 @@ class Runner:
             return TorchDiskTarget(spec, state_dir, launcher)
         extra: dict[str, dict[str, Any]] = {}
         if p.budget_override is not None:
-            extra["budget"] = {"override": p.budget_override}
+            extra.setdefault("budget", {})["override"] = p.budget_override
+        if p.live_replan is not None:
+            extra.setdefault("budget", {})["live_replan"] = p.live_replan
         store = self.plan.store_bytes or (-(-(spec.kv_bytes + 256 * MiB) // MiB) * MiB)
         return BladedTarget(p.config, spec, state_dir, store_bytes=store, launcher=launcher, daemon_config=extra)
 
@@ -297,6 +317,7 @@ class Runner:
         rec: dict[str, Any] = {"study": p.study, "config": p.config, "label": LABELS[p.config],
                                "pipeline": p.pipeline, "limit_bytes": p.limit_bytes, "alpha": p.alpha,
                                "budget_override": p.budget_override, "rep": rep, "dma": spec.dma,
+                               "live_replan": p.live_replan,
                                "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         rec["drop_caches_s"] = drop_caches() if self._drop_ok else None
         rec["cold"] = self._drop_ok
@@ -318,6 +339,7 @@ class Runner:
             wl = Workload(spec, target, self.sysdir)
             trace = wl.run(on_phase=lambda ph: marks.__setitem__(ph, time.perf_counter()))
             rec["server_rss_bytes_end"] = {str(pid): rss_bytes(pid) for pid in target.pids()}
+            rec["target_end"] = target.end_info()
         finally:
             if sampler is not None:
                 sampler.stop()

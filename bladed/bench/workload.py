@@ -154,6 +154,8 @@ class KVTarget(Protocol):
 
     def info(self) -> dict[str, Any]: ...
 
+    def end_info(self) -> dict[str, Any]: ...
+
     def close(self) -> None: ...
 
 
@@ -271,6 +273,19 @@ class BladedTarget:
     def pids(self) -> list[int]:
         return [self.daemon.pid]
 
+    def end_info(self) -> dict[str, Any]:
+        """What the daemon did on its own during the run: live re-planning (demotions), budget now."""
+        out: dict[str, Any] = {}
+        with contextlib.suppress(Exception):
+            out["replan"] = self.client.stats().get("replan")
+        with contextlib.suppress(Exception):
+            mine = [s for s in self.client.sessions() if s.get("session") == self.session.id]
+            if mine:
+                out["session"] = {k: mine[0].get(k) for k in ("n1", "group1", "group2", "pagecache_bytes",
+                                                                "direct_bytes", "demoted_kpus", "demoted_bytes",
+                                                                "pending_demotions", "demotions_failed")}
+        return out
+
     def info(self) -> dict[str, Any]:
         plan = dict(self.session.plan)
         kpus = plan.pop("kpus", [])
@@ -320,6 +335,9 @@ class TorchDiskTarget:
 
     def pids(self) -> list[int]:
         return [self.client.pid]
+
+    def end_info(self) -> dict[str, Any]:
+        return {}
 
     def info(self) -> dict[str, Any]:
         return {"target": "torchdisk", "mode": "baseline", "child_pid": self.client.pid,
