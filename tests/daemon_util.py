@@ -16,6 +16,7 @@ a condition variable, with a deadline.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -79,6 +80,62 @@ def toml_text(sections: dict[str, dict[str, Any]]) -> str:
 def pattern(seed: int | str, layer: int, kind: str, nbytes: int) -> bytes:
     """Deterministic bytes of one KPU, the same in every process."""
     return random.Random(f"{seed}/{layer}/{kind}").randbytes(nbytes)
+
+
+def run_as(uid: int, socket_path: str, action: Callable[[Any, dict[str, Any]], None]) -> dict[str, Any]:
+    """Connect as ``uid`` (gid the same, no supplementary groups) in a forked child and run
+    ``action(client, out)``; returns ``out``, plus ``exception``/``message`` if it raised."""
+    from bladed.client import Client
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        out: dict[str, Any] = {}
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            with Client(socket_path) as c:
+                out["uid"] = os.getuid()
+                action(c, out)
+        except Exception as e:
+            out.update(exception=type(e).__name__, message=str(e))
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return dict(json.loads(data))
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the daemon's metrics endpoint with ``metrics.listen = "unix:..."``)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=10)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(self.path)
+
+
+def scrape(conn: http.client.HTTPConnection) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 200
+    out = {}
+    for fam in text_string_to_metric_families(resp.read().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    conn.close()
+    return out
 
 
 class DaemonProcess:

@@ -11,6 +11,8 @@ import subprocess
 import pytest
 from daemon_util import ClientProcess, DaemonProcess, short_tmpdir
 
+from bladed.client import Client
+
 #: token = 2*8*128*2 = 4096 bytes: the §IV-B alignment precondition holds
 ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
 KPU = 32 * 4096
@@ -205,25 +207,42 @@ def test_second_daemon_on_the_same_state_dir_is_refused(tmp: str) -> None:
         assert first.proc is not None and first.proc.poll() is None
 
 
-def test_unreadable_journal_makes_start_up_trim_the_whole_region(tmp: str) -> None:
+@pytest.mark.parametrize("journal", ["torn", "deleted", "other_region"])
+def test_start_up_without_a_usable_journal_scrubs_the_whole_region(tmp: str, journal: str) -> None:
+    """A torn or deleted journal, or one of another region, cannot say which blocks hold a crashed
+    session's KV cache: all of them are scrubbed before the daemon serves."""
     with DaemonProcess(tmp, {"budget": {"override": 0}}).start() as d, ClientProcess(d.socket_path) as c:
         c.call("connect")
         c.call("open", geometry=ALIGNED)
         c.call("write_all", seed=13)
         d.kill()
-    with open(os.path.join(tmp, "journal.json"), "w") as f:
-        f.write("{ torn write")
-    with DaemonProcess(tmp).start() as d2:
-        d2.wait_line("unreadable journal")
-        assert int(d2.wait_event("reclaim")["trimmed_bytes"]) == 64 << 20
-        assert not has_data(os.path.join(tmp, "kv-store.img"), 0, 64 << 20)
+    assert has_data(os.path.join(tmp, "kv-store.img"), 0, 64 << 20)
+    cfg = {}
+    if journal == "torn":
+        with open(os.path.join(tmp, "journal.json"), "w") as f:
+            f.write("{ torn write")
+    elif journal == "deleted":
+        os.unlink(os.path.join(tmp, "journal.json"))
+    else:
+        cfg = {"device": {"region_blocks": 8192}}
+    region = (32 if journal == "other_region" else 64) << 20
+    with DaemonProcess(tmp, cfg).start() as d2, Client(d2.socket_path) as c2:
+        if journal == "torn":
+            d2.wait_line("unreadable journal")
+        ev = d2.wait_event("region_scrub")
+        assert ev["reason"] == {"torn": "unreadable_journal", "deleted": "no_journal",
+                                "other_region": "journal_of_another_device_or_region"}[journal]
+        assert int(ev["trimmed_bytes"]) == region and ev["region"] == f"0+{region // 4096}"
+        assert not has_data(os.path.join(tmp, "kv-store.img"), 0, region)
+        assert c2.stats()["region_scrubbed_bytes"] == region
+    # the journal is back: a clean restart scrubs nothing
+    with DaemonProcess(tmp, cfg).start() as d3, Client(d3.socket_path) as c3:
+        assert c3.stats()["region_scrubbed_bytes"] == 0
 
 
 def test_embedded_default_needs_no_config_file(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -m bladed.server`` with no options: file store, page cache and socket in ./var/bladed,
     where a client with no socket path finds it."""
-    from bladed.client import Client
-
     with DaemonProcess(tmp, embedded=True).start():
         base = os.path.join(tmp, "var", "bladed")
         assert set(os.listdir(base)) >= {"bladed.lock", "bladed.sock", "journal.json", "kv-store.img", "pagecache"}

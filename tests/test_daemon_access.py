@@ -4,14 +4,13 @@ admin-only ops."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import stat
 from collections.abc import Iterator
 
 import pytest
-from daemon_util import DaemonProcess, short_tmpdir, toml_text
+from daemon_util import DaemonProcess, run_as, short_tmpdir, toml_text
 
 from bladed.client import Client, NoSuchSessionError, QuotaExceededError
 from bladed.protocol import BusyError, NoSpaceError
@@ -28,33 +27,16 @@ def tmp() -> Iterator[str]:
 
 
 def as_uid(uid: int, socket_path: str, action: str) -> dict:
-    """Run ``action`` as ``uid`` in a forked child; return what it reports."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        out: dict = {}
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            with Client(socket_path) as c:
-                out["uid"] = os.getuid()
-                if action == "status":
-                    out["status"] = c.status()["version"]
-                elif action == "trim":
-                    c.trim()
-                elif action == "sessions":
-                    out["sessions"] = c.sessions()
-        except Exception as e:
-            out = {"exception": type(e).__name__, "message": str(e)}
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return dict(json.loads(data))
+    """``status``, ``trim`` or ``sessions`` as ``uid``; what it got."""
+    def act(c: Client, out: dict) -> None:
+        if action == "status":
+            out["status"] = c.status()["version"]
+        elif action == "trim":
+            c.trim()
+        elif action == "sessions":
+            out["sessions"] = c.sessions()
+
+    return run_as(uid, socket_path, act)
 
 
 @pytest.mark.root

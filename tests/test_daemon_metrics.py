@@ -5,40 +5,15 @@ from __future__ import annotations
 import http.client
 import os
 import re
-import socket
 from collections.abc import Iterator
 
 import pytest
-from daemon_util import ROOT, DaemonProcess, short_tmpdir
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_util import ROOT, DaemonProcess, UnixHTTPConnection, scrape, short_tmpdir
 
 from bladed.client import Client
 
 GEOMETRY = {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 KPU = 8 * 4096
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=10)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(self.path)
-
-
-def scrape(conn: http.client.HTTPConnection) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    conn.request("GET", "/metrics")
-    resp = conn.getresponse()
-    assert resp.status == 200
-    out = {}
-    for fam in text_string_to_metric_families(resp.read().decode()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    conn.close()
-    return out
 
 
 @pytest.fixture
@@ -77,6 +52,9 @@ def test_metrics_on_a_unix_socket_follow_the_traffic(tmp: str) -> None:
             family = re.sub(r"_(bucket|count|sum|created)$", "", name)
             assert f"`{family}`" in doc or f"`{name}`" in doc, f"{name} is not documented in docs/operations.md"
         assert after[("bladed_trimmed_bytes_total", ())] == 2 * KPU
+        # a first start has no journal: the whole 64 MiB region was scrubbed before serving
+        assert after[("bladed_region_scrubbed_bytes_total", ())] == 64 << 20
+        assert after[("bladed_zeroed_bytes_total", ())] == 0 and after[("bladed_quarantined_bytes_total", ())] == 0
         assert after[("bladed_sessions", ())] == 0
         assert after[("bladed_extent_blocks", (("state", "free"),))] == 16384
 

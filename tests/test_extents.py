@@ -59,6 +59,20 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.live[ext.start] = ext
         return ext
 
+    @rule(target=extents, start=st.integers(2000, 3100), n=st.integers(1, 200))
+    def reserve_range(self, start: int, n: int) -> Extent | None:
+        """Start-up quarantine: exactly this range, only if every block of it is free."""
+        free = start >= 2048 and start + n <= 3048 and all(
+            start + n <= e.start or e.end <= start for e in self.live.values())
+        try:
+            ext = self.alloc.reserve(start, n, "quarantined")
+        except ValueError:
+            assert not free
+            return None
+        assert free and (ext.start, ext.nblocks) == (start, n)
+        self.live[ext.start] = ext
+        return ext
+
     @rule(ext=consumes(extents))
     def close_session(self, ext: Extent | None) -> None:
         if ext is None:

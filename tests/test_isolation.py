@@ -8,50 +8,21 @@ another uid's session.  The NVMe backend is covered in
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 
 import pytest
-from daemon_util import DaemonProcess, short_tmpdir
+from daemon_util import DaemonProcess, run_as, short_tmpdir
+from remanence import GEO, KPU, remanence_round
 
 from bladed.client import Client
 
 NOBODY = 65534
-GEO = {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 16}
-KPU = 16 * 4096
 
 
 @pytest.fixture
 def tmp() -> Iterator[str]:
     with short_tmpdir() as d:
         yield d
-
-
-def remanence_round(d: DaemonProcess, mode: str) -> dict:
-    """Session A fills its extent/files and closes; session B gets the same blocks and reads before writing."""
-    with Client(d.socket_path) as c:
-        a = c.open_session(GEO, mode=mode, channels=1)
-        ext_a = next(s for s in c.sessions() if s["session"] == a.id)["extent"]
-        for layer in range(GEO["layers"]):
-            for kind in "kv":
-                a.slot(0)[:] = b"\xab" * KPU
-                a.write(layer, kind, 0)
-        a.close()
-        b = c.open_session(GEO, mode=mode, channels=1)
-        ext_b = next(s for s in c.sessions() if s["session"] == b.id)["extent"]
-        assert ext_b == ext_a, "the test needs B to get A's blocks"
-        for layer in range(GEO["layers"]):
-            for kind in "kv":
-                b.slot(0)[:] = b"\x11" * KPU
-                b.read(layer, kind, 0)
-                assert bytes(b.slot(0)) == bytes(KPU), f"session B read stale bytes in {kind}{layer} ({mode})"
-                # a partial range too: Algorithm 2 on a never-written token range
-                b.slot(0)[:] = b"\x11" * KPU
-                b.read(layer, kind, 0, token_start=3, ntokens=5)
-                assert bytes(b.slot(0)[3 * 4096:8 * 4096]) == bytes(5 * 4096)
-        b.close()
-        return c.stats()
 
 
 @pytest.mark.parametrize("zero_freed", ["auto", "always"])
@@ -87,35 +58,18 @@ def test_invalid_zero_freed_is_named(tmp: str) -> None:
 
 
 def as_nobody(socket_path: str, action: str, arg: str = "") -> dict:
-    """Run ``action`` as uid/gid 65534 in a forked child; return what it reports."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        out: dict = {}
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            with Client(socket_path) as c:
-                out["uid"] = os.getuid()
-                if action == "read_other":
-                    c.call("read", session=arg, layer=0, kind="k", channel=0)
-                elif action == "fresh_read":
-                    with c.open_session(GEO, mode="direct", channels=1) as s:
-                        out["extent"] = next(x for x in c.sessions() if x["session"] == s.id)["extent"]
-                        s.read(0, "k", 0)
-                        out["zeros"] = bytes(s.slot(0)) == bytes(KPU)
-                        out["sessions"] = [x["uid"] for x in c.sessions()]
-        except Exception as e:
-            out = {"exception": type(e).__name__, "message": str(e), **out}
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return dict(json.loads(data))
+    """``status``, ``read_other`` (session ``arg``) or ``fresh_read`` as uid/gid 65534; what it got."""
+    def act(c: Client, out: dict) -> None:
+        if action == "read_other":
+            c.call("read", session=arg, layer=0, kind="k", channel=0)
+        elif action == "fresh_read":
+            with c.open_session(GEO, mode="direct", channels=1) as s:
+                out["extent"] = next(x for x in c.sessions() if x["session"] == s.id)["extent"]
+                s.read(0, "k", 0)
+                out["zeros"] = bytes(s.slot(0)) == bytes(KPU)
+                out["sessions"] = [x["uid"] for x in c.sessions()]
+
+    return run_as(NOBODY, socket_path, act)
 
 
 @pytest.mark.root

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tools" / "nvme-vm" / "run-in-nvme-vm.sh"
 
 NS_SIZE = "5G"        # sparse; over 4 GiB so that a whole-namespace discard needs several DSM ranges
+FAULTY_SECTOR = 2048  # a second namespace fails every command touching byte 1 MiB (tests/vm/test_faults_in_vm.py)
 VM_TIMEOUT_S = 480    # the harness kills the VM after this; below pytest-timeout's 600 s
 
 
@@ -98,7 +99,8 @@ def test_vm_suite_passes(case: VMCase, tmp_path: Path) -> None:
         "bladed/_uring*.so is not built in place; the VM imports bladed from the checkout "
         "(pip install -e . --no-build-isolation)")
     junit = tmp_path / "junit.xml"
-    cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, "--timeout", str(VM_TIMEOUT_S),
+    cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, "--faulty-sector", str(FAULTY_SECTOR),
+           "--timeout", str(VM_TIMEOUT_S),
            "--rw", str(tmp_path), "--", *_inner_pytest(junit)]
     print(f"[{case.name}] {case.shows}\n$ {' '.join(cmd)}", flush=True)
 

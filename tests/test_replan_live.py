@@ -15,7 +15,7 @@ import signal
 from typing import Any
 
 import pytest
-from daemon_util import ClientProcess, DaemonProcess, short_tmpdir
+from daemon_util import ClientProcess, DaemonProcess, UnixHTTPConnection, scrape, short_tmpdir
 
 #: token = 4096 bytes (aligned); 4 layers -> 8 KPUs of 32 tokens
 ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
@@ -56,7 +56,8 @@ def journal_extents(tmp: str, sid: str) -> list[list[int]]:
 
 
 def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
-    with DaemonProcess(tmp, {"budget": {"override": 4 * KPU}}).start() as d, ClientProcess(d.socket_path) as c:
+    cfg = {"budget": {"override": 4 * KPU}, "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
+    with DaemonProcess(tmp, cfg).start() as d, ClientProcess(d.socket_path) as c:
         c.call("connect")
         opened = c.call("open", geometry=ALIGNED)
         sid, ext = opened["session"], opened["extent"]
@@ -83,6 +84,9 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         assert journal_extents(tmp, sid) == [[ext["start"], 6 * KPU // 4096]]
         stats = c.call("call", op="stats")["reply"]
         assert stats["replan"]["demoted_kpus"] == 2 and stats["budget"]["held"] == 2 * KPU
+        m = scrape(UnixHTTPConnection(os.path.join(tmp, "metrics.sock")))
+        assert m[("bladed_demoted_kpus_total", ())] == 2 and m[("bladed_demoted_bytes_total", ())] == 2 * KPU
+        assert m[("bladed_replans_total", ())] >= 1 and m[("bladed_demotions_failed_total", ())] == 0
 
         # keep going: writes and reads on a demoted KPU stay direct
         w = c.call("write", layer=1, kind="k", token_start=5, ntokens=3, seed=9)

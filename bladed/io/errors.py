@@ -31,7 +31,7 @@ class NVMeStatusError(BladedIOError):
         self.sc = status & 0xFF
         self.dnr = bool(status & 0x4000)
         self.slba = slba
-        super().__init__(errno.EIO, f"NVMe {op} at LBA {slba} failed: {describe_nvme_status(status)}")
+        super().__init__(errno.EIO, f"NVMe {op} failed: {describe_nvme_status(status)} (command at LBA {slba})")
 
 
 # NVMe base spec 2.0, Figure 100-102 (generic command status, SCT 0) and the

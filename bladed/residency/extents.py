@@ -155,6 +155,29 @@ class ExtentAllocator:
             self._used[best] = ext
             return ext
 
+    def reserve(self, start: int, nblocks: int, owner: Hashable = None) -> Extent:
+        """Take exactly ``[start, start + nblocks)``, which must be free (ValueError otherwise).
+
+        Used at start-up to keep blocks out of use that could not be scrubbed.
+        """
+        if isinstance(nblocks, bool) or not isinstance(nblocks, int) or nblocks <= 0:
+            raise ValueError(f"an extent needs a positive number of blocks, got {nblocks!r}")
+        with self._lock:
+            i = bisect.bisect_right(self._free_starts, start) - 1
+            run = self._free_starts[i] if i >= 0 else -1
+            length = self._free.get(run, 0)
+            if run < 0 or start + nblocks > run + length:
+                raise ValueError(f"LBA [{start}, {start + nblocks}) is not free in the region "
+                                 f"[{self.start_lba}, {self.end_lba})")
+            if run < start:   # split the run: [run, start) stays free
+                self._free[run] = start - run
+                self._free[start] = run + length - start
+                self._free_starts.insert(i + 1, start)
+            self._take(start, nblocks)
+            ext = Extent(start, nblocks, owner)
+            self._used[start] = ext
+            return ext
+
     def grow(self, extent: Extent, extra: int) -> Extent:
         """Extend a live extent in place by ``extra`` blocks (the run after it must be free)."""
         if extra <= 0:

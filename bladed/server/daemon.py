@@ -50,7 +50,7 @@ from bladed.protocol import (
 from bladed.residency.extents import ExtentAllocator
 from bladed.server.metrics import Collector, MetricsServer, Stats
 from bladed.server.session import Peer, Session, SessionManager, event, scrub, sweep_pagecache
-from bladed.server.state import Journal, StateLockedError
+from bladed.server.state import QUARANTINED, Journal, SessionRecord, StateLockedError
 
 log = logging.getLogger("bladed")
 
@@ -309,7 +309,6 @@ class Connection:
     def _op_stats(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         out = self.daemon.stats.snapshot()
         out.update(self.daemon.gauges())
-        out["replan"] = self.daemon.manager.replanner.to_dict()
         out["time"] = time.time()
         return out
 
@@ -406,48 +405,76 @@ class Daemon:
         return dev
 
     def _reclaim(self, start: int, blocks: int) -> None:
-        """TRIM what a crashed instance left and remove its page-cache files."""
+        """Scrub what a crashed instance left and remove its page-cache files.
+
+        With a journal of this device and region, only the extents it lists
+        are scrubbed.  Without one (first start, state directory wiped, journal
+        unreadable, or written for another device or region), nothing says
+        which blocks hold an earlier session's KV cache, so the whole region
+        is: a new session must never read bytes it did not write.
+        """
         dev = self.device
-        trimmed = 0
-        reclaimed = 0
+        always_zero = self.cfg.device.zero_freed == "always"
+        here = {"path": dev.path, "kind": dev.kind, "lba_size": dev.lba_size, "region": [start, blocks]}
+        trimmed = zeroed = reclaimed = 0
+        unscrubbed: list[tuple[int, int]] = []
+        whole_region = ""
         try:
             stale, old_device = self.journal.load_stale()
         except ValueError as e:
-            log.warning("%s; trimming the whole region [%d, %d) to be safe", e, start, start + blocks)
-            stale, old_device = [], None
-            with Engine(dev, 4) as eng:
-                eng.discard(start, blocks)
-            trimmed += blocks * dev.lba_size
-        same_device = old_device is None or (old_device.get("path") == dev.path
-                                             and old_device.get("lba_size") == dev.lba_size)
-        if stale and not same_device:
-            log.warning("the journal names sessions on %s; this instance uses %s: not trimming them",
-                        old_device, dev.path)
-        with Engine(dev, 4) as eng:
-            for rec in stale:
-                for s, n in rec.extents if same_device else []:
-                    # only inside today's region: blocks outside it may have been given to someone else
-                    lo, hi = max(s, start), min(s + n, start + blocks)
-                    if hi - lo != n:
-                        log.warning("stale extent %d+%d of session %s is not inside the region [%d, %d); "
-                                    "trimming only the part inside", s, n, rec.id, start, start + blocks)
-                    if hi <= lo:
-                        continue
-                    # TRIM, plus Write Zeroes where the device does not read zeroes after it
-                    t, _z, safe = scrub(dev, lo, hi - lo, always_zero=self.cfg.device.zero_freed == "always")
-                    trimmed += t
-                    if not safe:
-                        log.error("stale extent %d+%d of session %s could not be zeroed", s, n, rec.id)
-                reclaimed += 1
-                event("session_reclaim", session=rec.id, uid=rec.uid, pid=rec.pid, extents=len(rec.extents),
-                      pagecache_dir=rec.pagecache_dir or "none")
+            log.warning("%s; scrubbing the whole region [%d, %d) to be safe", e, start, start + blocks)
+            stale, old_device, whole_region = [], None, "unreadable_journal"
+        if old_device is None:
+            whole_region = whole_region or "no_journal"
+        elif any(old_device.get(k) != here[k] for k in ("path", "lba_size", "region")):
+            whole_region = "journal_of_another_device_or_region"
+            if stale:
+                log.warning("the journal names sessions on %s; this instance uses %s: not scrubbing them",
+                            old_device, here)
+            stale = []
+        for rec in stale:
+            for s, n in rec.extents:
+                # only inside today's region: blocks outside it may have been given to someone else
+                lo, hi = max(s, start), min(s + n, start + blocks)
+                if hi - lo != n:
+                    log.warning("stale extent %d+%d of session %s is not inside the region [%d, %d); "
+                                "scrubbing only the part inside", s, n, rec.id, start, start + blocks)
+                if hi <= lo:
+                    continue
+                # TRIM, plus Write Zeroes where the device does not read zeroes after it
+                t, z, safe = scrub(dev, lo, hi - lo, always_zero=always_zero)
+                trimmed, zeroed = trimmed + t, zeroed + z
+                if not safe:
+                    log.error("stale extent %d+%d of session %s could be neither deallocated to zeroes nor "
+                              "zeroed; keeping it out of use", lo, hi - lo, rec.id)
+                    unscrubbed.append((lo, hi - lo))
+            reclaimed += 1
+            event("session_reclaim", session=rec.id, uid=rec.uid, pid=rec.pid, extents=len(rec.extents),
+                  pagecache_dir=rec.pagecache_dir or "none")
+        if whole_region:
+            t0 = time.monotonic()
+            t, z, safe = scrub(dev, start, blocks, always_zero=always_zero)
+            self.stats.add("region_scrubbed_bytes", blocks * dev.lba_size)
+            event("region_scrub", reason=whole_region, region=f"{start}+{blocks}", trimmed_bytes=t,
+                  zeroed_bytes=z, seconds=f"{time.monotonic() - t0:.3f}")
+            if not safe:
+                raise ConfigError([f"device.path: {dev.path} can neither deallocate the region to zeroes nor "
+                                   f"Write-Zero it, and there is no journal saying which blocks hold earlier "
+                                   f"sessions' data ({whole_region}); refusing to serve it"], self.cfg.source)
         removed = sweep_pagecache(self.cfg.pagecache_dir)
         self.stats.add("trimmed_bytes", trimmed)
+        self.stats.add("zeroed_bytes", zeroed)
         self.stats.add("sessions_reclaimed", reclaimed)
-        if reclaimed or removed or trimmed:
-            event("reclaim", sessions=reclaimed, trimmed_bytes=trimmed, pagecache_dirs_removed=removed)
-        self.journal.reset({"path": dev.path, "kind": dev.kind, "lba_size": dev.lba_size,
-                            "region": [start, blocks]})
+        if reclaimed or removed or whole_region:
+            event("reclaim", sessions=reclaimed, trimmed_bytes=trimmed, zeroed_bytes=zeroed,
+                  pagecache_dirs_removed=removed, whole_region_scrubbed=whole_region or "no")
+        self.journal.reset(here)
+        for lo, n in unscrubbed:
+            # quarantined until a later start-up manages the scrub; the journal keeps it for that
+            self.allocator.reserve(lo, n, owner=QUARANTINED)
+            self.journal.add(SessionRecord(id=f"{QUARANTINED}-{lo}", uid=os.getuid(), pid=os.getpid(),
+                                           mode=QUARANTINED, extents=[(lo, n)]))
+            self.stats.add("quarantined_bytes", n * dev.lba_size)
 
     def _listen(self) -> None:
         cfg = self.cfg
@@ -592,7 +619,8 @@ class Daemon:
                 "budget": {k: v for k, v in self._last_budget.items()
                            if k in ("m_avail", "m_max", "m_anon_shmem", "m_star", "b_pc", "b_pc_computed",
                                     "m_file", "mem_total")}
-                | {"held": self.manager.ledger.held_bytes}}
+                | {"held": self.manager.ledger.held_bytes},
+                "replan": self.manager.replanner.to_dict()}
 
     def _sample_budget(self) -> dict[str, Any]:
         """Eq. 1-2 for the daemon as a whole: N_threads * M_pin is every open session's staging."""
@@ -696,7 +724,8 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
         event("daemon_stop", trimmed_bytes=self.stats.trimmed_bytes, sessions_closed=self.stats.sessions_closed)
-        self.journal.reset(self.journal.device)
+        # every closed session left the journal; what is still there (quarantined blocks, a session
+        # whose teardown failed) the next start-up scrubs again
         self.device.close()
         self.journal.release()
 

@@ -66,6 +66,8 @@ class Stats:
         self.trimmed_bytes = 0
         #: Write Zeroes on teardown (devices without zeroes after deallocate, or device.zero_freed = "always")
         self.zeroed_bytes = 0
+        #: whole-region scrubs at start-up (no usable journal: first start, wiped or unreadable)
+        self.region_scrubbed_bytes = 0
         #: extents kept out of use because they could be neither deallocated to zeroes nor zeroed
         self.quarantined_bytes = 0
         #: reads whose crc32c did not match what was written (sessions with checksums on)
@@ -108,6 +110,7 @@ class Stats:
                 "trimmed_bytes": self.trimmed_bytes,
                 "zeroed_bytes": self.zeroed_bytes,
                 "quarantined_bytes": self.quarantined_bytes,
+                "region_scrubbed_bytes": self.region_scrubbed_bytes,
                 "integrity_errors": self.integrity_errors,
                 "sessions_opened": self.sessions_opened,
                 "sessions_closed": self.sessions_closed,
@@ -161,6 +164,12 @@ class Collector:
                                 value=pc["hit_ratio"] if pc["hit_ratio"] is not None else 0.0)
         yield CounterMetricFamily("bladed_trimmed_bytes", "Bytes deallocated (TRIM) on teardown and reclaim",
                                   value=snap["trimmed_bytes"])
+        for name, doc in (("zeroed_bytes", "Bytes Write-Zeroed on teardown and reclaim (no zeroes after TRIM)"),
+                          ("quarantined_bytes", "Bytes kept out of use: could be neither deallocated to zeroes "
+                                                "nor zeroed"),
+                          ("region_scrubbed_bytes", "Bytes scrubbed at start-up for want of a usable journal"),
+                          ("integrity_errors", "Reads whose crc32c did not match what was written")):
+            yield CounterMetricFamily(f"bladed_{name}", doc, value=snap[name])
         yield CounterMetricFamily("bladed_sessions_opened", "Sessions opened", value=snap["sessions_opened"])
         yield CounterMetricFamily("bladed_sessions_reclaimed", "Sessions of a crashed instance reclaimed at start",
                                   value=snap["sessions_reclaimed"])
@@ -170,6 +179,14 @@ class Collector:
         ext.add_metric(["used"], live["extents"]["used_blocks"])
         ext.add_metric(["free"], live["extents"]["free_blocks"])
         yield ext
+        replan = live.get("replan", {})
+        yield CounterMetricFamily("bladed_replans", "Budget shrinks that re-planned live sessions",
+                                  value=replan.get("replans", 0))
+        yield CounterMetricFamily("bladed_demoted_kpus", "KPUs moved live from the page-cache path to the "
+                                                         "NVMe-direct path", value=replan.get("demoted_kpus", 0))
+        yield CounterMetricFamily("bladed_demoted_bytes", "Bytes of those KPUs", value=replan.get("demoted_bytes", 0))
+        yield CounterMetricFamily("bladed_demotions_failed", "Demotions that could not be carried out (no space)",
+                                  value=replan.get("demotions_failed", 0))
         yield GaugeMetricFamily("bladed_lba_size_bytes", "LBA size of the KV region", value=live["lba_size"])
         budget = GaugeMetricFamily("bladed_budget_bytes", "Terms of Eq. 1-2 (bytes)", labels=["term"])
         for term, value in live["budget"].items():

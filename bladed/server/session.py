@@ -37,7 +37,7 @@ from bladed.server.channel import BOUNCE_BYTES, Channel, IORequest
 from bladed.server.integrity import Checksums
 from bladed.server.metrics import Stats
 from bladed.server.replan import LiveReplanner, LiveState
-from bladed.server.state import Journal, SessionRecord
+from bladed.server.state import QUARANTINED, Journal, SessionRecord
 
 log = logging.getLogger("bladed.session")
 events = logging.getLogger("bladed.events")
@@ -348,6 +348,7 @@ class SessionManager:
     def _release(self, sess: Session, *, trim: bool) -> int:
         """Give back everything a (possibly half-opened) session holds; returns TRIMmed bytes."""
         trimmed = 0
+        quarantined: tuple[int, int] | None = None
         if sess.extent is not None:
             ext, sess.extent = sess.extent, None
             if not trim:
@@ -365,6 +366,7 @@ class SessionManager:
                     log.error("session %s: extent %d+%d could be neither deallocated to zeroes nor zeroed; "
                               "keeping it out of use until restart", sess.id, ext.start, ext.nblocks)
                     self.stats.add("quarantined_bytes", ext.nblocks * self.device.lba_size)
+                    quarantined = (ext.start, ext.nblocks)
                 self.stats.add("trimmed_bytes", trimmed)
                 self.stats.add("zeroed_bytes", zeroed)
         for f in sess.pc_files.values():
@@ -388,7 +390,12 @@ class SessionManager:
             except BufferError:  # a view is still referenced somewhere; freed with it
                 log.debug("session %s: staging mapping still exported", sess.id)
             sess.mapping = None
-        self.journal.remove(sess.id)
+        if quarantined is None:
+            self.journal.remove(sess.id)
+        else:
+            # stays in the journal: the next start-up tries the scrub again before the blocks are reused
+            self.journal.add(SessionRecord(id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=QUARANTINED,
+                                           extents=[quarantined]))
         return trimmed
 
     def close_all(self, reason: str) -> None:

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 JOURNAL = "journal.json"
 LOCK = "bladed.lock"
 JOURNAL_VERSION = 1
+#: the ``mode`` of a journal record that holds blocks which could not be scrubbed (no live session)
+QUARANTINED = "quarantined"
 
 
 class StateLockedError(RuntimeError):
