@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.residency.geometry import Geometry
+from bladed.runner.kvstore import BladedKV
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
@@ -43,37 +44,6 @@ def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dty
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return Geometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
                          dtype_bytes=_DTYPE_BYTES[dtype], max_tokens=max_tokens)
-
-
-class _SessionBackend:
-    """A ``bladed.client.Session`` seen as a KV backend."""
-
-    prepinned = True
-
-    def __init__(self, session: Any, geometry: Geometry, client: Any = None) -> None:
-        self.session, self.geometry, self._client = session, geometry, client
-        self.channels = int(session.channels)
-        self._groups = {(int(k["layer"]), str(k["kind"])): int(k.get("group", 2))
-                        for k in (session.plan or {}).get("kpus", [])}
-
-    def slot(self, ch: int) -> memoryview:
-        return self.session.slot(ch)  # type: ignore[no-any-return,unused-ignore]
-
-    def group(self, layer: int, kind: str) -> int:
-        return self._groups.get((layer, kind), 2)
-
-    def read(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> Any:
-        return self.session.read(layer, kind, ch, token_start=token_start, ntokens=ntokens)
-
-    def write(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> Any:
-        return self.session.write(layer, kind, ch, token_start=token_start, ntokens=ntokens)
-
-    def close(self) -> None:
-        try:
-            self.session.close()
-        finally:
-            if self._client is not None:
-                self._client.close()
 
 
 class _Transfer:
@@ -262,14 +232,9 @@ class BladedCache(Cache):
              mode: str = "dualblade", socket_path: str | None = None, client: Any = None,
              channels: int = 2, **kw: Any) -> BladedCache:
         """Open a bladed session sized for ``config`` and wrap it."""
-        from bladed import client as bclient
-
-        own = None
-        if client is None:
-            client = own = bclient.Client(socket_path=socket_path)
         geo = geometry_for(config, batch_size, max_tokens, dtype)
-        sess = client.open_session(geo, mode=mode, channels=channels)
-        return cls(_SessionBackend(sess, geo, own), dtype=dtype, copy_threads=channels, **kw)
+        backend = BladedKV.open(geo, mode=mode, channels=channels, socket_path=socket_path, client=client)
+        return cls(backend, dtype=dtype, copy_threads=channels, **kw)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,6 +50,7 @@ import numpy as np
 
 from bladed.bench.metrics import DiskStat, cpu_seconds, rss_bytes
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadJob
+from bladed.residency.geometry import Geometry
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -89,21 +90,26 @@ class WorkloadSpec:
     def max_tokens(self) -> int:
         return self.prompt_len + self.gen_len
 
-    @property
-    def token_bytes(self) -> int:
-        return self.batch * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def kpu_bytes(self) -> int:
-        return self.token_bytes * self.max_tokens
-
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * self.layers * self.kpu_bytes
-
     def geometry(self) -> dict[str, int]:
         return {"layers": self.layers, "batch": self.batch, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "dtype_bytes": self.dtype_bytes, "max_tokens": self.max_tokens}
+
+    @property
+    def shape(self) -> Geometry:
+        """The session geometry this workload opens (sizes as the daemon computes them)."""
+        return Geometry(**self.geometry())
+
+    @property
+    def token_bytes(self) -> int:
+        return self.shape.token_bytes
+
+    @property
+    def kpu_bytes(self) -> int:
+        return self.shape.kpu_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.shape.kv_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -177,12 +177,16 @@ def _context(context: pyudev.Context | None) -> pyudev.Context:
 
 
 def _sort_key(ns: NvmeNamespaceInfo) -> tuple[int, ...]:
+    # by controller, then NSID: the Y of ngXnY is the order the kernel found the namespace in, which
+    # need not be NSID order (Linux 6.12 scans a controller's namespaces concurrently)
     m = _GENERIC_NAME.search(ns.char_device)
-    return (int(m.group(1)), int(m.group(2))) if m else (1 << 30,)
+    if not m:
+        return (1 << 30,)
+    return (int(m.group(1)), ns.nsid if ns.nsid is not None else 1 << 30, int(m.group(2)))
 
 
 def list_namespaces(*, identify: bool = True, context: pyudev.Context | None = None) -> list[NvmeNamespaceInfo]:
-    """Every NVMe namespace that has a generic char device, in ``ngXnY`` order.
+    """Every NVMe namespace that has a generic char device, by controller and NSID.
 
     ``identify=False`` never opens a device (sysfs only; MDTS is then None).
     """

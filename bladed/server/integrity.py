@@ -18,6 +18,8 @@ device or in the page-cache files while the session lives.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +30,9 @@ from bladed.protocol import ErrorCode, RequestError
 if TYPE_CHECKING:
     from bladed.residency.geometry import Geometry
 
-_crc32c: Any
-try:
-    import crc32c as _crc32c
-except ImportError:  # pragma: no cover - reported when a session asks for checksums
-    _crc32c = None
+_crc32c: Any = None
+with contextlib.suppress(ImportError):  # reported when a session asks for checksums
+    _crc32c = importlib.import_module("crc32c")
 
 
 def available() -> bool:

@@ -4,8 +4,35 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
-NG_PATH = "/dev/ng0n1"
+
+def ns_name(nsid: int, controller: str = "nvme0") -> str:
+    """The kernel's block name (``nvme0n2``) of namespace ``nsid`` on ``controller``.
+
+    The Y of ``nvme0nY`` / ``ng0nY`` is the order the kernel found the
+    namespace in, not its NSID: Linux 6.12 scans a controller's namespaces
+    concurrently, so with two namespaces ``ng0n1`` is NSID 2 on some boots.
+    Outside the VM (no such namespace) this is ``nvme0n<nsid>``.
+    """
+    for d in sorted(Path("/sys/block").glob(f"{controller}n*")):
+        try:
+            if int((d / "nsid").read_text()) == nsid:
+                return d.name
+        except (OSError, ValueError):
+            continue
+    return f"{controller}n{nsid}"
+
+
+def ng_path(nsid: int, controller: str = "nvme0") -> str:
+    """The generic char device (``/dev/ng0nY``) of namespace ``nsid``."""
+    name = ns_name(nsid, controller)
+    return f"/dev/ng{controller[4:]}n{name[len(controller) + 1:]}"
+
+
+#: namespace 1, the one the tests use (NSID 2 may be the faulty one, see run-in-nvme-vm.sh --faulty-sector)
+NS_NAME = ns_name(1)
+NG_PATH = ng_path(1)
 QEMU_DEFAULT_MDTS = 7      # QEMU 7.2's nvme device default (run-in-nvme-vm.sh without --mdts)
 
 

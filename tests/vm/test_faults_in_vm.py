@@ -24,7 +24,7 @@ import os
 import sys
 
 import pytest
-from nvmevm import NG_PATH, VMConfig
+from nvmevm import NG_PATH, VMConfig, ng_path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from daemon_util import DaemonProcess, pattern, short_tmpdir
@@ -51,7 +51,7 @@ def faulty() -> tuple[str, int]:
     nsid, sector = os.environ.get("NVMEVM_FAULTY_NSID"), os.environ.get("NVMEVM_FAULTY_SECTOR")
     assert nsid and sector, ("boot the VM with run-in-nvme-vm.sh --faulty-sector S "
                              "(tests/test_nvme_vm.py does) for the failing-command tests")
-    return f"/dev/ng0n{nsid}", int(sector) * 512
+    return ng_path(int(nsid)), int(sector) * 512
 
 
 @pytest.mark.parametrize("zero_freed", ["auto", "always"])

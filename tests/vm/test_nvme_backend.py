@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from bladed._uring import ffi
-from nvmevm import NG_PATH, VMConfig
+from nvmevm import NG_PATH, NS_NAME, VMConfig
 
 from bladed.io import (
     BladedIOError,
@@ -68,7 +68,7 @@ def poison(buf: StagingBuffer, nbytes: int, offset: int = 0) -> None:
 
 
 def queue_limits(dev: NvmeDevice) -> dict[str, int]:
-    assert dev.sysfs_block, "no /sys/block/nvme0n1 for /dev/ng0n1"
+    assert dev.sysfs_block, f"no /sys/block/{NS_NAME} for {NG_PATH}"
     q = Path(dev.sysfs_block) / "queue"
     names = ("max_hw_sectors_kb", "max_segments", "logical_block_size", "discard_max_hw_bytes")
     return {n: int((q / n).read_text()) for n in names}
@@ -659,7 +659,7 @@ def test_wrong_nsid_is_refused_by_the_kernel(nvme_dev: NvmeDevice, bufs: Any) ->
 
 
 @pytest.mark.parametrize(("path", "words"), [
-    ("/dev/nvme0n1", "not a character device"),
+    (f"/dev/{NS_NAME}", "not a character device"),
     ("/dev/nvme0", "not an NVMe namespace"),
 ])
 def test_opening_the_wrong_node_says_which_to_use(path: str, words: str) -> None:
@@ -669,4 +669,4 @@ def test_opening_the_wrong_node_says_which_to_use(path: str, words: str) -> None
 
 
 def test_generic_device_path(nvme_dev: NvmeDevice) -> None:
-    assert nvme_dev.path == NG_PATH and nvme_dev.sysfs_block == "/sys/block/nvme0n1"
+    assert nvme_dev.path == NG_PATH and nvme_dev.sysfs_block == f"/sys/block/{NS_NAME}"

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from nvmevm import NG_PATH, VMConfig
+from nvmevm import NG_PATH, NS_NAME, VMConfig, ng_path
 
 from bladed.io.discovery import (
     NvmeNamespaceInfo,
@@ -29,24 +29,24 @@ def _queue(name: str, attr: str) -> int:
 
 def test_finds_every_namespace_of_the_vm(vm_config: VMConfig) -> None:
     found = list_namespaces()
-    assert [ns.char_device for ns in found] == [f"/dev/ng0n{k}" for k in range(1, vm_config.namespaces + 1)]
     assert [ns.nsid for ns in found] == list(range(1, vm_config.namespaces + 1))
+    assert [ns.char_device for ns in found] == [ng_path(k) for k in range(1, vm_config.namespaces + 1)]
 
 
 def test_namespace_values_match_identify_and_sysfs(nvme_dev: NvmeDevice, vm_config: VMConfig) -> None:
     ns = find_namespace(NG_PATH)
     assert ns is not None
     assert ns.identified
-    assert (ns.block_device, ns.controller, ns.nsid) == ("nvme0n1", "nvme0", 1)
+    assert (ns.block_device, ns.controller, ns.nsid) == (NS_NAME, "nvme0", 1)
     assert ns.lba_size == vm_config.lba_size == nvme_dev.lba_size
     assert ns.capacity_blocks == nvme_dev.capacity_blocks
     assert ns.capacity_bytes == nvme_dev.capacity_bytes
     if vm_config.ns_bytes is not None:
         assert ns.capacity_bytes == vm_config.ns_bytes
     assert ns.mdts == vm_config.mdts and ns.mdts_bytes == vm_config.mdts_bytes
-    assert ns.max_hw_sectors_kb == _queue("nvme0n1", "max_hw_sectors_kb")
-    assert ns.max_segments == _queue("nvme0n1", "max_segments")
-    assert ns.discard_max_hw_bytes == _queue("nvme0n1", "discard_max_hw_bytes")
+    assert ns.max_hw_sectors_kb == _queue(NS_NAME, "max_hw_sectors_kb")
+    assert ns.max_segments == _queue(NS_NAME, "max_segments")
+    assert ns.discard_max_hw_bytes == _queue(NS_NAME, "discard_max_hw_bytes")
     assert ns.serial == "nvmevm0" and ns.model == nvme_dev.identity.model
     assert json.loads(json.dumps(as_dict(ns)))["char_device"] == NG_PATH
 
@@ -67,7 +67,7 @@ def test_without_identify_geometry_still_comes_from_sysfs(nvme_dev: NvmeDevice) 
 
 
 def test_unprivileged_user_gets_geometry_but_no_mdts(nvme_dev: NvmeDevice) -> None:
-    """/dev/ng0n1 is root:root 0600: a user cannot open it for Identify, but
+    """The namespace's /dev/ng0nY is root:root 0600: a user cannot open it for Identify, but
     discovery must still list the namespace from sysfs."""
     rfd, wfd = os.pipe()
     pid = os.fork()
