@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from bladed.io import BladedIOError, Engine, Op, StagingBuffer
 from bladed.protocol import ErrorCode, RequestError, error_reply, ok_reply
 from bladed.residency.planner import KPU, Path
@@ -189,19 +191,20 @@ class Channel:
         tb = geo.token_bytes
         stride = sess.plan.token_stride
         rows = max(1, self.bounce.nbytes // stride)
-        bounce = self.bounce.view()
-        slot = self.slot.view()
+        bounce = np.frombuffer(self.bounce.view(), np.uint8)
+        slot = np.frombuffer(self.slot.view(), np.uint8)
         t, end = req.token_start, req.token_start + req.ntokens
         while t < end:
             k = min(rows, end - t)
             slba, req_bytes = sess.extent_map.translate(
                 tid, geo.shape, (t, 0, 0), (k, geo.shape[1], geo.shape[2]), geo.dtype_bytes)
+            # one strided copy per bounce-full of rows (no Python per row)
+            padded_rows = bounce[:k * stride].reshape(k, stride)[:, :tb]
+            dense_rows = slot[t * tb:(t + k) * tb].reshape(k, tb)
             if op is Op.WRITE:
-                for i in range(k):
-                    bounce[i * stride:i * stride + tb] = slot[(t + i) * tb:(t + i + 1) * tb]
+                padded_rows[...] = dense_rows
                 self.engine.write(slba, self.bounce, nbytes=req_bytes)
             else:
                 self.engine.read(slba, self.bounce, nbytes=req_bytes)
-                for i in range(k):
-                    slot[(t + i) * tb:(t + i + 1) * tb] = bounce[i * stride:i * stride + tb]
+                dense_rows[...] = padded_rows
             t += k
