@@ -89,8 +89,10 @@ class ScatteredPages:
     physically adjacent, so a command over them needs one DMA segment per page
     (the worst case for an ordinary-page staging buffer).
 
-    Built by faulting in twice as many pages and moving every other one, with
-    mremap, into a fresh range; /proc/self/pagemap (root) confirms the layout.
+    Built by faulting pages in, reading their frame numbers from
+    /proc/self/pagemap (root), and moving them with mremap into a fresh range
+    in descending frame order: a page is then never followed by its physical
+    successor, whatever order the page allocator handed them out in.
     """
 
     MAP_PRIVATE = 0x02
@@ -113,13 +115,8 @@ class ScatteredPages:
         self.npages = npages
         self.nbytes = npages * PAGE
         self.address = 0
-        for stride in (2, 3, 5):
-            self._build(stride)
-            if self.physical_runs() == npages:
-                break
-            self.close()
-        else:
-            pytest.fail(f"could not lay out {npages} physically scattered pages")
+        self._build()
+        assert self.physical_runs() == npages, f"could not lay out {npages} physically scattered pages"
         self.array = (ctypes.c_char * self.nbytes).from_address(self.address)
         self.buffer = StagingBuffer.wrap(self.array)
 
@@ -130,27 +127,32 @@ class ScatteredPages:
         self._libc.madvise(addr, nbytes, mmap.MADV_NOHUGEPAGE)
         return int(addr)
 
-    def _build(self, stride: int) -> None:
-        src_len = stride * self.nbytes
-        src = self._mmap(src_len)
-        ctypes.memset(src, 0x5A, src_len)          # fault every page in, in address order
+    def _build(self) -> None:
+        src = self._mmap(self.nbytes)
+        ctypes.memset(src, 0x5A, self.nbytes)      # fault every page in
+        frames = self._frames(src, self.npages)
         dst = self._mmap(self.nbytes)
-        for k in range(self.npages):
-            moved = self._libc.mremap(src + stride * k * PAGE, PAGE, PAGE,
+        order = sorted(range(self.npages), key=lambda k: -frames[k])
+        for k, page in enumerate(order):
+            moved = self._libc.mremap(src + page * PAGE, PAGE, PAGE,
                                       self.MREMAP_MAYMOVE | self.MREMAP_FIXED, dst + k * PAGE)
             if moved != dst + k * PAGE:
                 raise OSError(ctypes.get_errno(), "mremap")
-        self._libc.munmap(src, src_len)            # the pages left behind
+        self._libc.munmap(src, self.nbytes)        # nothing is left there; drops the range
         self.address = dst
 
-    def pfns(self) -> list[int]:
+    @staticmethod
+    def _frames(address: int, npages: int) -> list[int]:
         with open("/proc/self/pagemap", "rb") as f:
-            f.seek(self.address // PAGE * 8)
-            entries = struct.unpack(f"<{self.npages}Q", f.read(8 * self.npages))
+            f.seek(address // PAGE * 8)
+            entries = struct.unpack(f"<{npages}Q", f.read(8 * npages))
         assert all(e >> 63 for e in entries), "pages not present"
         pfns = [e & ((1 << 55) - 1) for e in entries]
         assert all(pfns), "pagemap hides PFNs (needs CAP_SYS_ADMIN)"
         return pfns
+
+    def pfns(self) -> list[int]:
+        return self._frames(self.address, self.npages)
 
     def physical_runs(self) -> int:
         """Physically contiguous runs of pages: the DMA segments a command over all of them needs."""
