@@ -54,6 +54,9 @@ from bladed.server.state import QUARANTINED, Journal, SessionRecord, StateLocked
 
 log = logging.getLogger("bladed")
 
+#: how long a start-up may spend scrubbing the whole region before systemd gives up on it
+SCRUB_START_TIMEOUT_S = 1800
+
 #: each session costs a thread and a ring per channel: bound what one connection can ask for
 MAX_SESSIONS_PER_CONNECTION = 64
 
@@ -453,6 +456,10 @@ class Daemon:
                   pagecache_dir=rec.pagecache_dir or "none")
         if whole_region:
             t0 = time.monotonic()
+            # a deallocate of a whole namespace takes seconds, Write Zeroes of one may take minutes:
+            # ask systemd for more than TimeoutStartSec (systemd >= 236)
+            sd_notify(f"STATUS=scrubbing the region {start}+{blocks} ({whole_region})",
+                      f"EXTEND_TIMEOUT_USEC={SCRUB_START_TIMEOUT_S * 1_000_000}")
             t, z, safe = scrub(dev, start, blocks, always_zero=always_zero)
             self.stats.add("region_scrubbed_bytes", blocks * dev.lba_size)
             event("region_scrub", reason=whole_region, region=f"{start}+{blocks}", trimmed_bytes=t,
