@@ -79,14 +79,15 @@ class ChildCgroup:
 
     @property
     def limit_file(self) -> str:
-        return os.path.join(self.path, "memory.limit_in_bytes" if self.version == "v1" else "memory.max")
+        from bladed.bench.cgroup import limit_file
+
+        return limit_file(self.path, self.version)
 
     def set_limit(self, nbytes: int | None) -> None:
         """Set (or, with None, lift) the hard limit."""
-        if nbytes is None:
-            _write(self.limit_file, "-1" if self.version == "v1" else "max")
-        else:
-            _write(self.limit_file, str(nbytes))
+        from bladed.bench.cgroup import set_limit
+
+        set_limit(self.path, self.version, nbytes)
 
     def limit(self) -> int:
         with open(self.limit_file) as f:

@@ -48,6 +48,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bladed.bench.environment import (  # noqa: E402  (after the checkout is on sys.path)
+    disk_info,
+    filesystem_of,
+    git_info,
+    machine_info,
+    read_text,
+    run_text,
+)
+
 SCHEMA = "bladed.bench_engine/1"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_TARGET_RATIO = 0.95
@@ -92,63 +105,14 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
     }
 
 
-def _run_text(cmd: Sequence[str]) -> str | None:
-    try:
-        out = subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 # ----------------------------------------------------------- environment --
-
-def machine_info() -> dict[str, Any]:
-    cpu_model = None
-    hypervisor = False
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name") and cpu_model is None:
-            cpu_model = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and " hypervisor" in line:
-            hypervisor = True
-    mem_total = None
-    for line in (_read("/proc/meminfo") or "").splitlines():
-        if line.startswith("MemTotal:"):
-            mem_total = int(line.split()[1]) * KiB
-    return {
-        "cpu_model": cpu_model,
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "memory_bytes": mem_total,
-        "hypervisor": hypervisor,                                  # cpuinfo flag: a virtual machine
-        "systemd_detect_virt": _run_text(["systemd-detect-virt"]),  # may name a container instead
-        "kernel": platform.release(),
-        "kernel_version": platform.version(),
-        "os": _os_release(),
-        "loadavg_start": _read("/proc/loadavg"),
-    }
-
-
-def _os_release() -> str | None:
-    for line in (_read("/etc/os-release") or "").splitlines():
-        if line.startswith("PRETTY_NAME="):
-            return line.split("=", 1)[1].strip('"')
-    return None
-
 
 def liburing_info() -> dict[str, Any]:
     """The liburing the engine extension is linked against, and the distro package version."""
     import bladed._uring  # noqa: F401  (maps liburing into this process)
 
     lib_path = None
-    for line in (_read("/proc/self/maps") or "").splitlines():
+    for line in (read_text("/proc/self/maps") or "").splitlines():
         if "liburing.so" in line:
             lib_path = line.split()[-1]
             break
@@ -157,39 +121,12 @@ def liburing_info() -> dict[str, Any]:
     return {
         "library": real,
         "version": m.group(1) if m else None,
-        "package": _run_text(["dpkg-query", "-W", "-f=${Package} ${Version}", "liburing2"]),
+        "package": run_text(["dpkg-query", "-W", "-f=${Package} ${Version}", "liburing2"]),
     }
 
 
 def fio_version(fio: str) -> str | None:
-    return _run_text([fio, "--version"])
-
-
-def git_info(repo: str) -> dict[str, Any]:
-    commit = _run_text(["git", "-C", repo, "rev-parse", "HEAD"])
-    status = _run_text(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"])
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
-
-
-def filesystem_of(path: str) -> dict[str, Any] | None:
-    """Mount point, fstype, source and options of the filesystem holding ``path``."""
-    st = os.stat(path)
-    devno = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    real = os.path.realpath(path)
-    best: dict[str, Any] | None = None
-    for line in (_read("/proc/self/mountinfo") or "").splitlines():
-        left, _, right = line.partition(" - ")
-        f = left.split()
-        r = right.split()
-        if len(f) < 6 or len(r) < 2 or f[2] != devno:
-            continue
-        mnt = f[4].replace("\\040", " ")
-        if not (real == mnt or real.startswith(mnt.rstrip("/") + "/")):
-            continue
-        if best is None or len(mnt) > len(best["mount_point"]):
-            best = {"mount_point": mnt, "fstype": r[0], "source": r[1], "options": f[5],
-                    "super_options": r[2] if len(r) > 2 else ""}
-    return best
+    return run_text([fio, "--version"])
 
 
 def block_stat_dir(devno: int) -> str | None:
@@ -198,29 +135,13 @@ def block_stat_dir(devno: int) -> str | None:
     return os.path.realpath(p) if os.path.exists(p) else None
 
 
-def disk_info(sysdir: str | None) -> dict[str, Any] | None:
-    if not sysdir:
-        return None
-    queue = os.path.join(sysdir, "queue")
-    if not os.path.isdir(queue):      # a partition: the queue is the parent's
-        queue = os.path.join(os.path.dirname(sysdir), "queue")
-    return {
-        "name": os.path.basename(sysdir),
-        "scheduler": _read(os.path.join(queue, "scheduler")),
-        "rotational": _read(os.path.join(queue, "rotational")),
-        "max_sectors_kb": _read(os.path.join(queue, "max_sectors_kb")),
-        "max_hw_sectors_kb": _read(os.path.join(queue, "max_hw_sectors_kb")),
-        "nr_requests": _read(os.path.join(queue, "nr_requests")),
-    }
-
-
 def disk_counters(sysdir: str | None) -> tuple[int, int, int, int, int] | None:
     """(read requests, bytes read, write requests, bytes written, busy ms) so far by the block
     device, from its ``stat`` (requests as the device saw them: after splits and merges; busy =
     ``io_ticks``, the time it had at least one request in flight)."""
     if not sysdir:
         return None
-    text = _read(os.path.join(sysdir, "stat"))
+    text = read_text(os.path.join(sysdir, "stat"))
     if not text:
         return None
     f = text.split()
@@ -229,7 +150,7 @@ def disk_counters(sysdir: str | None) -> tuple[int, int, int, int, int] | None:
 
 def cpu_times() -> list[int]:
     """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal)."""
-    first = (_read("/proc/stat") or "cpu 0 0 0 0 0 0 0 0").splitlines()[0]
+    first = (read_text("/proc/stat") or "cpu 0 0 0 0 0 0 0 0").splitlines()[0]
     return [int(x) for x in first.split()[1:9]]
 
 
@@ -338,10 +259,10 @@ def make_device_target(kind: str, path: str, size: int) -> Target:
         if dev.capacity_bytes < size:
             raise SystemExit(f"{path}: {dev.capacity_bytes} bytes, smaller than --size {size}")
         t.info = {"device": dev.describe(), "disk": disk_info(t.stat_dir())}
-        backing = _read(os.path.join(t.stat_dir() or "/nonexistent", "loop", "backing_file"))
+        backing = read_text(os.path.join(t.stat_dir() or "/nonexistent", "loop", "backing_file"))
         if backing:                    # a loop device: what it really stores into
             t.info["loop_backing_file"] = backing
-            t.info["loop_direct_io"] = _read(os.path.join(t.stat_dir() or "", "loop", "dio"))
+            t.info["loop_direct_io"] = read_text(os.path.join(t.stat_dir() or "", "loop", "dio"))
             t.info["filesystem"] = filesystem_of(backing) if os.path.exists(backing) else None
     finally:
         dev.close()
@@ -388,7 +309,7 @@ def staging_backing(buf: Any) -> dict[str, Any]:
     start, end = buf.address, buf.address + buf.nbytes
     huge = 0
     inside = False
-    for line in (_read("/proc/self/smaps") or "").splitlines():
+    for line in (read_text("/proc/self/smaps") or "").splitlines():
         head = line.split()[0] if line else ""
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
@@ -791,9 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         summarize_result(saved)
         sys.stdout.write(render_markdown(saved))
         return 0
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
+    repo = REPO
     wall0 = time.perf_counter()
     started = dt.datetime.now(dt.UTC)
     machine = machine_info()
@@ -853,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             if t.kind == "file" and t.created and not args.keep:
                 os.unlink(t.path)
 
-    machine["loadavg_end"] = _read("/proc/loadavg")
+    machine["loadavg_end"] = read_text("/proc/loadavg")
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "date": started.isoformat(timespec="seconds"),

@@ -33,6 +33,19 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def limit_file(path: str, version: str) -> str:
+    """The hard-limit file of the memory cgroup at ``path`` (cgroup ``v1`` or ``v2``)."""
+    return os.path.join(path, "memory.limit_in_bytes" if version == "v1" else "memory.max")
+
+
+def set_limit(path: str, version: str, nbytes: int | None) -> None:
+    """Set the hard limit of the memory cgroup at ``path``; None lifts it."""
+    if nbytes is None:
+        _write(limit_file(path, version), "-1" if version == "v1" else "max")
+    else:
+        _write(limit_file(path, version), str(int(nbytes)))
+
+
 class MemCgroup:
     """A memory cgroup below ours with a hard limit (``None``: unlimited)."""
 
@@ -53,13 +66,10 @@ class MemCgroup:
 
     @property
     def limit_file(self) -> str:
-        return os.path.join(self.path, "memory.limit_in_bytes" if self.version == "v1" else "memory.max")
+        return limit_file(self.path, self.version)
 
     def set_limit(self, nbytes: int | None) -> None:
-        if nbytes is None:
-            _write(self.limit_file, "-1" if self.version == "v1" else "max")
-        else:
-            _write(self.limit_file, str(int(nbytes)))
+        set_limit(self.path, self.version, nbytes)
 
     def limit(self) -> int | None:
         v = _read(self.limit_file).strip()

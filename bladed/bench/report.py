@@ -180,6 +180,13 @@ def _errbar(ax: Any, xs: list[float], stats: list[dict[str, Any]], cfg: str, sca
     ax.errorbar(x, y, yerr=[lo, hi], label=LABELS[cfg], color=COLORS[cfg], marker=MARKERS[cfg], capsize=3)
 
 
+def _save(plt: Any, fig: Any, path: str) -> None:
+    """Lay out, write the PNG and free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_fig3(doc: dict[str, Any], path: str) -> None:
     plt = _plt()
     runs = by_key(ok_runs(doc, "sweep", "baseline"), lambda r: r["limit_bytes"])
@@ -212,9 +219,7 @@ def plot_fig3(doc: dict[str, Any], path: str) -> None:
     h1, l1 = b.get_legend_handles_labels()
     h2, l2 = b2.get_legend_handles_labels()
     b.legend(h1 + h2, l1 + l2, loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_fig10(doc: dict[str, Any], path: str) -> None:
@@ -233,9 +238,7 @@ def plot_fig10(doc: dict[str, Any], path: str) -> None:
         ax.set_title(title)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_fig11(doc: dict[str, Any], path: str) -> None:
@@ -260,9 +263,7 @@ def plot_fig11(doc: dict[str, Any], path: str) -> None:
     ax.set_ylim(-3, 103)
     ax.set_title("Page-cache hit ratio in decode")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def representative(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -298,9 +299,7 @@ def plot_fig12(doc: dict[str, Any], path: str, limit: int | None) -> None:
         ax.set_ylabel("device throughput (GB/s, /sys/block stat)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_table5(doc: dict[str, Any], path: str) -> None:
@@ -322,9 +321,7 @@ def plot_table5(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("decode latency (s)")
     ax.set_title("Dual-Blade decode latency with and without P·P")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 # -- Markdown ------------------------------------------------------------------------------------

@@ -21,22 +21,18 @@ the workload, and teardown.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bladed.bench import probes
+from bladed.bench import environment, probes
 from bladed.bench.cgroup import MemCgroup, can_drop_caches, drop_caches
 from bladed.bench.metrics import (
     DiskSampler,
@@ -145,55 +141,12 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
 
 # -- environment -------------------------------------------------------------------------
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
 def machine_info(workdir: str) -> dict[str, Any]:
-    cpu = None
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem = None
-    for line in (_read("/proc/meminfo") or "").splitlines():
-        if line.startswith("MemTotal:"):
-            mem = int(line.split()[1]) * 1024
-    os_name = None
-    for line in (_read("/etc/os-release") or "").splitlines():
-        if line.startswith("PRETTY_NAME="):
-            os_name = line.split("=", 1)[1].strip('"')
-    sysdir = block_device_of(workdir)
-    disk = None
-    if sysdir:
-        disk = {"sysfs": sysdir, "name": os.path.basename(sysdir),
-                "scheduler": _read(os.path.join(sysdir, "queue", "scheduler")),
-                "rotational": _read(os.path.join(sysdir, "queue", "rotational")),
-                "max_sectors_kb": _read(os.path.join(sysdir, "queue", "max_sectors_kb"))}
-    fs = None
-    st = os.stat(workdir)
-    devno = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    for line in (_read("/proc/self/mountinfo") or "").splitlines():
-        left, _, right = line.partition(" - ")
-        f, r = left.split(), right.split()
-        if len(f) > 4 and f[2] == devno and len(r) > 1:
-            fs = {"mount_point": f[4], "fstype": r[0], "source": r[1]}
-    commit = dirty = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "--",
-                                     "bladed", "cffi_build"], capture_output=True, text=True,
-                                    timeout=10).stdout.strip())
-    return {
-        "hostname": socket.gethostname(), "cpu_model": cpu, "cpus": os.cpu_count(), "memory_bytes": mem,
-        "kernel": platform.release(), "kernel_version": platform.version(), "os": os_name,
-        "python": platform.python_version(), "fio": probes.fio_version(), "disk": disk, "filesystem": fs,
-        "git_commit": commit, "git_dirty": dirty, "loadavg_start": _read("/proc/loadavg"),
+    """The machine, and the filesystem and disk under ``workdir``."""
+    git = environment.git_info(REPO, ("bladed", "cffi_build"))
+    return environment.machine_info() | {
+        "fio": probes.fio_version(), "disk": environment.disk_info(block_device_of(workdir)),
+        "filesystem": environment.filesystem_of(workdir), "git_commit": git["commit"], "git_dirty": git["dirty"],
     }
 
 
@@ -453,7 +406,7 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
                 if bar is not None:
                     bar.update(1)
     doc["wall_s"] = time.perf_counter() - t_start
-    doc["machine"]["loadavg_end"] = _read("/proc/loadavg")
+    doc["machine"]["loadavg_end"] = environment.read_text("/proc/loadavg")
     save()
     return doc
 
