@@ -31,9 +31,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.residency.geometry import Geometry
-from bladed.runner.kvstore import BladedKV
-
-_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+from bladed.runner.kvstore import BladedKV, dtype_bytes
 
 
 def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype) -> Geometry:
@@ -43,16 +41,16 @@ def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dty
     kvh = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return Geometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
-                         dtype_bytes=_DTYPE_BYTES[dtype], max_tokens=max_tokens)
+                         dtype_bytes=dtype_bytes(dtype), max_tokens=max_tokens)
 
 
 class _Transfer:
     """Copy threads + staging-slot views + the pipeline, shared by all layers of a cache."""
 
     def __init__(self, backend: Any, dtype: torch.dtype, device: torch.device, copy_threads: int,
-                 pipeline: PipelineMode) -> None:
+                 pipeline: PipelineMode, lossy_dtype: bool = False) -> None:
         g = backend.geometry
-        self.backend, self.geometry, self.device = backend, g, device
+        self.backend, self.geometry, self.device, self.dtype = backend, g, device, dtype
         self.cuda = device.type == "cuda"
         self.pool = CopyThreadPool(copy_threads, name="bladed-hf-copy")
         self.pipe = AdaptivePipeline(self.pool, pipeline)
@@ -62,8 +60,30 @@ class _Transfer:
         for ch in range(min(copy_threads, backend.channels)):
             raw = torch.frombuffer(backend.slot(ch), dtype=torch.uint8)[: g.kpu_bytes]
             self.views.append(raw.view(dtype).view(g.max_tokens, g.batch, g.kv_heads, g.head_dim))
+        self.lossy_dtype = lossy_dtype
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
+
+    def check(self, key_states: torch.Tensor, value_states: torch.Tensor, cached: int) -> None:
+        """Refuse K/V this cache cannot hold, before anything of it is written (ValueError, one line)."""
+        g = self.geometry
+        want = (g.batch, g.kv_heads, "tokens", g.head_dim)
+        for name, x in (("key", key_states), ("value", value_states)):
+            if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (g.batch, g.kv_heads, g.head_dim):
+                what = "batch size" if x.dim() == 4 and x.shape[0] != g.batch else "shape"
+                raise ValueError(
+                    f"{name} states of shape {tuple(x.shape)} do not fit a BladedCache opened for "
+                    f"[batch, kv_heads, tokens, head_dim] = {list(want)} ({what} differs); open the cache with "
+                    f"batch_size={x.shape[0] if x.dim() == 4 else '?'} and the model's own config")
+            if torch.promote_types(x.dtype, self.dtype) != self.dtype and not self.lossy_dtype:
+                raise ValueError(
+                    f"the model's {name} states are {_dtype_name(x.dtype)} but the cache stores "
+                    f"{_dtype_name(self.dtype)}, which would round the KV; open the cache with "
+                    f"dtype={x.dtype} (or lossy_dtype=True to accept the rounding)")
+        n = key_states.shape[-2]
+        if cached + n > g.max_tokens:
+            raise ValueError(f"KV of {cached + n} tokens exceeds the cache's max_tokens {g.max_tokens}; "
+                             "open the cache with a larger max_tokens")
 
     def write(self, layer: int, kind: str, t0: int, x: torch.Tensor) -> None:
         ch = self.ch[kind]
@@ -104,13 +124,26 @@ class _Transfer:
 
     def raise_errors(self) -> None:
         if self.errors:
-            raise RuntimeError("bladed KV write failed") from self.errors[0]
+            first = self.errors[0]
+            raise RuntimeError(f"bladed KV write failed: {type(first).__name__}: {first}") from first
 
     def close(self) -> None:
         self.pool.drain()
         self.pool.close()
         self.views.clear()
         self.raise_errors()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dynamic_lazy_init(layer: DynamicLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """transformers' own empty-cache initialisation (4.57 takes the key states only, 5.x both)."""
+    if len(inspect.signature(DynamicLayer.lazy_initialization).parameters) > 2:
+        DynamicLayer.lazy_initialization(layer, key_states, value_states)
+    else:  # pragma: no cover - transformers 4.57
+        DynamicLayer.lazy_initialization(layer, key_states)  # type: ignore[call-arg]
 
 
 def _init_layer(layer: DynamicLayer) -> None:
@@ -144,22 +177,26 @@ class BladedLayer(DynamicLayer):
         h = self._pending or self._t.load(self.index, self._len)
         self._pending = None
         k, v = h.result()
-        return k.to(self.device), v.to(self.device)
+        # a cache dtype other than the model's (wider, or narrower with lossy_dtype) converts back here
+        return k.to(self.device, self.dtype), v.to(self.device, self.dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._t.check(key_states, value_states, self._len)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t0, n = self._len, key_states.shape[-2]
-        if t0 + n > self._t.geometry.max_tokens:
-            raise ValueError(f"KV of {t0 + n} tokens exceeds the cache's max_tokens {self._t.geometry.max_tokens}")
         past = self._resident()
-        keys = key_states if past is None else torch.cat([past[0], key_states], dim=-2)
-        values = value_states if past is None else torch.cat([past[1], value_states], dim=-2)
+        if past is None:
+            _dynamic_lazy_init(self, key_states, value_states)
+        else:
+            self.keys, self.values = past
+        # transformers' own DynamicLayer joins past and new: the attention then sees tensors of the same
+        # values, shapes and strides as with the default cache, so it runs the same kernels (same bits)
+        keys, values = DynamicLayer.update(self, key_states, value_states, *args, **kwargs)
         self._t.write(self.index, "k", t0, key_states)
         self._t.write(self.index, "v", t0, value_states)
         self._len = t0 + n
-        self.keys, self.values = keys, values
         return keys, values
 
     def offload(self) -> None:
@@ -213,15 +250,18 @@ def _init_cache(cache: Cache, layers: list[BladedLayer]) -> None:
 class BladedCache(Cache):
     """A transformers ``Cache`` keeping every layer's K/V in bladed (or any KV backend).
 
-    ``prefetch`` reads layer ``j+1`` while layer ``j`` computes; ``pipeline``
-    picks the copy-thread strategy (``adaptive`` as in Dual-Blade §IV-C).
+    ``dtype`` is what the cache stores: the model's K/V dtype or a wider one; a narrower one (which
+    rounds the KV) is refused unless ``lossy_dtype``. ``prefetch`` reads layer ``j+1`` while layer
+    ``j`` computes; ``pipeline`` picks the copy-thread strategy (``adaptive``: the per-group choice
+    between overlap-intra and overlap-cross of Dual-Blade §IV-C).
     """
 
     def __init__(self, backend: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 copy_threads: int = 2, prefetch: bool = True, pipeline: PipelineMode = "adaptive") -> None:
+                 copy_threads: int = 2, prefetch: bool = True, pipeline: PipelineMode = "adaptive",
+                 lossy_dtype: bool = False) -> None:
         self.backend = backend
         self.geometry = backend.geometry
-        self._transfer = _Transfer(backend, dtype, torch.device(device), copy_threads, pipeline)
+        self._transfer = _Transfer(backend, dtype, torch.device(device), copy_threads, pipeline, lossy_dtype)
         self.prefetch_enabled = prefetch
         self._iteration = -1
         self._blayers = [BladedLayer(self._transfer, j) for j in range(self.geometry.layers)]

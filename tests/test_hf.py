@@ -1,4 +1,8 @@
-"""``bladed.hf.BladedCache``: model.generate with the KV offloaded equals the default cache."""
+"""``bladed.hf.BladedCache``: model.generate with the KV offloaded equals the default cache.
+
+Bit for bit: transformers computes everything either way, and the cache hands its attention K/V of the
+same values, shapes and strides as ``DynamicCache`` (checked below), so the same kernels run.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,48 @@ from collections.abc import Iterator
 import pytest
 import torch
 from runner_util import CONFIGS, hf_greedy, hf_model, prompt
+from transformers import DynamicCache
 
 from bladed.hf import BladedCache, geometry_for
 from bladed.runner.cli import spawned_daemon
-from bladed.runner.kvstore import Geometry, MemoryKV
+from bladed.runner.kvstore import Kind, KVOp, MemoryKV
+
+
+class CountingKV(MemoryKV):
+    """``MemoryKV`` that counts writes (to show a refused update wrote nothing)."""
+
+    writes = 0
+
+    def write(self, layer: int, kind: Kind, ch: int, token_start: int = 0, ntokens: int | None = None) -> KVOp:
+        self.writes += 1
+        return super().write(layer, kind, ch, token_start, ntokens)
 
 
 def _memory_cache(hf: object, batch: int, max_tokens: int, dtype: torch.dtype, **kw: object) -> BladedCache:
     g = geometry_for(hf.config, batch, max_tokens, dtype)  # type: ignore[attr-defined]
-    geo = Geometry(g.layers, g.batch, g.kv_heads, g.head_dim, g.dtype_bytes, g.max_tokens)
-    return BladedCache(MemoryKV(geo), dtype=dtype, **kw)  # type: ignore[arg-type]
+    return BladedCache(CountingKV(g), dtype=dtype, **kw)  # type: ignore[arg-type]
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[batch, tokens, heads, dim] -> [batch, heads, tokens, dim] as a strided view, as attention makes K/V."""
+    return x.transpose(1, 2)
+
+
+def test_attention_gets_the_same_tensors_as_from_the_default_cache() -> None:
+    """Values, shapes, dtypes and strides of the returned K/V equal DynamicCache's at every step."""
+    cfg = CONFIGS["llama-gqa"]
+    hf = hf_model(cfg, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    steps = [torch.randn(2, n, cfg.num_kv_heads, cfg.head_dim, generator=g) for n in (6, 1, 1, 1)]
+    ref = DynamicCache()
+    with _memory_cache(hf, 2, 9, torch.float32, prefetch=False) as cache:
+        for x in steps:
+            k, v = _heads_first(x), _heads_first(-x)
+            for j in range(cfg.num_layers):
+                got = cache.update(k, v, j)
+                want = ref.update(k, v, j)
+                for a, b in zip(got, want, strict=True):
+                    assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -40,6 +76,55 @@ def test_cache_refuses_more_tokens_than_sized_for() -> None:
     hf = hf_model(cfg, torch.float32)
     with _memory_cache(hf, 1, 8, torch.float32) as cache, pytest.raises(ValueError, match="max_tokens"):
         hf_greedy(hf, prompt(cfg, 1, 6), 6, past_key_values=cache)
+
+
+@pytest.mark.parametrize(("cache_batch", "prompt_batch"), [(1, 2), (2, 1)])
+def test_cache_refuses_a_prompt_batch_it_was_not_opened_for(cache_batch: int, prompt_batch: int) -> None:
+    cfg = CONFIGS["llama-gqa"]
+    hf = hf_model(cfg, torch.float32)
+    cache = _memory_cache(hf, cache_batch, 12, torch.float32)
+    with pytest.raises(ValueError) as err:
+        hf_greedy(hf, prompt(cfg, prompt_batch, 6), 4, past_key_values=cache)
+    msg = str(err.value)
+    assert f"shape ({prompt_batch}, {cfg.num_kv_heads}, 6, {cfg.head_dim})" in msg
+    assert f"[{cache_batch}, " in msg and "batch size differs" in msg and f"batch_size={prompt_batch}" in msg
+    assert cache.backend.writes == 0  # refused before anything was written
+    cache.close()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_cache_narrower_than_the_model_is_refused(cache_dtype: torch.dtype) -> None:
+    cfg = CONFIGS["opt"]
+    hf = hf_model(cfg, torch.float32)
+    cache = _memory_cache(hf, 1, 10, cache_dtype)
+    name = str(cache_dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=f"states are float32 but the cache stores {name}, which would round"):
+        hf_greedy(hf, prompt(cfg, 1, 6), 3, past_key_values=cache)
+    assert cache.backend.writes == 0
+    cache.close()
+
+
+def test_a_narrower_cache_with_lossy_dtype_rounds_the_kv_and_still_generates() -> None:
+    cfg = CONFIGS["opt"]
+    hf = hf_model(cfg, torch.float32)
+    ids = prompt(cfg, 2, 6)
+    _, ref_l = hf_greedy(hf, ids, 5)
+    with _memory_cache(hf, 2, 11, torch.bfloat16, lossy_dtype=True) as cache:
+        t, lg = hf_greedy(hf, ids, 5, past_key_values=cache)
+    assert len(t[0]) == 5 and all(x.dtype == torch.float32 for x in lg)
+    assert torch.equal(lg[0], ref_l[0])  # the prefill attends to the new K/V, not the stored copy
+    assert max(float((a - b).abs().max()) for a, b in zip(lg[1:], ref_l[1:], strict=True)) > 0  # rounded KV
+
+
+def test_a_wider_cache_than_the_model_is_lossless() -> None:
+    cfg = CONFIGS["llama-gqa"]
+    hf = hf_model(cfg, torch.bfloat16)
+    ids = prompt(cfg, 2, 6)
+    ref_t, ref_l = hf_greedy(hf, ids, 5)
+    with _memory_cache(hf, 2, 11, torch.float32) as cache:
+        t, lg = hf_greedy(hf, ids, 5, past_key_values=cache)
+    assert torch.equal(t, ref_t)
+    assert all(torch.equal(a, b) for a, b in zip(lg, ref_l, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -1,37 +1,66 @@
-"""The runner generates exactly what transformers does, with its KV cache offloaded."""
+"""The runner with its KV cache offloaded.
+
+Two kinds of comparison: against the runner with the in-process ``MemoryKV`` (the same arithmetic, so
+bit for bit: offloading must not change a single bit) and against transformers' own generation (a
+different implementation of the same maths: the same greedy tokens, logits within a few ulp).
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
-from runner_util import CONFIGS, assert_same, hf_greedy, hf_model, prompt, run, runner_model
+from runner_util import (
+    CONFIGS,
+    assert_matches_transformers,
+    assert_same,
+    hf_greedy,
+    hf_model,
+    prompt,
+    run,
+    runner_model,
+)
 
 from bladed.runner.cli import main, spawned_daemon
+from bladed.runner.engine import GenerationResult
 from bladed.runner.kvstore import BladedKV, Geometry
+from bladed.runner.models import DecoderModel, ModelConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@dataclass
+class Case:
+    cfg: ModelConfig
+    hf: Any                          # the transformers model (the oracle)
+    model: DecoderModel              # the runner's view of the same weights
+    ids: torch.Tensor
+    ref_tokens: torch.Tensor         # transformers' greedy tokens
+    ref_logits: list[torch.Tensor]
+    in_memory: GenerationResult      # the runner with every layer's KV in the in-process MemoryKV
+
+
 @pytest.fixture(scope="module", params=[(a, d) for a in CONFIGS for d in DTYPES],
                 ids=lambda p: f"{p[0]}-{str(p[1]).removeprefix('torch.')}")
-def case(request: pytest.FixtureRequest) -> tuple:
+def case(request: pytest.FixtureRequest) -> Case:
     arch, dtype = request.param
     cfg = CONFIGS[arch]
     hf = hf_model(cfg, dtype)
     ids = prompt(cfg, 2, 7)
     ref_tokens, ref_logits = hf_greedy(hf, ids, 6)
-    return cfg, hf, runner_model(hf), ids, ref_tokens, ref_logits
+    model = runner_model(hf)
+    return Case(cfg, hf, model, ids, ref_tokens, ref_logits, in_memory=run(model, ids, 6))
 
 
-def test_offloaded_runner_equals_transformers_generation(case: tuple) -> None:
-    _, _, model, ids, ref_tokens, ref_logits = case
-    res = run(model, ids, 6)
-    assert res.tiers == ["disk"] * model.cfg.num_layers
-    assert_same(res, ref_tokens, ref_logits)
-    assert res.stats["memory"]["read_ops"] == 2 * model.cfg.num_layers * 5  # K+V per layer per decode step
+def test_offloaded_runner_matches_transformers_generation(case: Case) -> None:
+    res = case.in_memory
+    assert res.tiers == ["disk"] * case.cfg.num_layers
+    assert_matches_transformers(res, case.ref_tokens, case.ref_logits, case.model.dtype)
+    assert res.stats["memory"]["read_ops"] == 2 * case.cfg.num_layers * 5  # K+V per layer per decode step
 
 
 @pytest.mark.parametrize("policy", [
@@ -39,20 +68,19 @@ def test_offloaded_runner_equals_transformers_generation(case: tuple) -> None:
     {"pipeline": "adaptive", "copy_threads": 1},
     {"cache_gpu_percent": 50}, {"cache_gpu_percent": 25, "cache_cpu_percent": 25},
 ], ids=str)
-def test_every_strategy_and_placement_equals_in_memory_kv(case: tuple, policy: dict) -> None:
-    _, _, model, ids, ref_tokens, ref_logits = case
-    assert_same(run(model, ids, 6, **policy), ref_tokens, ref_logits)
+def test_every_strategy_and_placement_equals_in_memory_kv(case: Case, policy: dict) -> None:
+    assert_same(run(case.model, case.ids, 6, **policy), case.in_memory)
 
 
-def test_gpu_batches_equal_transformers_per_batch(case: tuple) -> None:
-    cfg, hf, model, _, _, _ = case
-    ids = prompt(cfg, 4, 5, seed=3)
-    res = run(model, ids, 4, num_gpu_batches=2)
+def test_gpu_batches_match_transformers_per_batch(case: Case) -> None:
+    ids = prompt(case.cfg, 4, 5, seed=3)
+    res = run(case.model, ids, 4, num_gpu_batches=2)
     for k in range(2):
-        t, lg = hf_greedy(hf, ids[2 * k:2 * k + 2], 4)
-        assert torch.equal(res.tokens[2 * k:2 * k + 2], t)
-        for x, y in zip(res.logits, lg, strict=True):
-            assert torch.equal(x[2 * k:2 * k + 2], y)
+        rows = slice(2 * k, 2 * k + 2)
+        t, lg = hf_greedy(case.hf, ids[rows], 4)
+        one = GenerationResult(tokens=res.tokens[rows], logits=[x[rows] for x in res.logits], prefill_latency=0.0,
+                               decode_latency=0.0, step_latencies=[], prompt_len=5, batch=2)
+        assert_matches_transformers(one, t, lg, case.model.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +90,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.mark.parametrize("mode", ["baseline", "cachepolicy", "direct", "dualblade"])
-def test_kv_through_bladed_equals_in_memory_in_every_mode(case: tuple, daemon: str, mode: str) -> None:
+def test_kv_through_bladed_equals_in_memory_in_every_mode(case: Case, daemon: str, mode: str) -> None:
     from bladed.client import Client
 
-    _, _, model, ids, ref_tokens, ref_logits = case
     with Client(socket_path=daemon) as client:
         def factory(g: Geometry) -> BladedKV:
             return BladedKV.open(g, mode=mode, channels=2, client=client)
 
-        res = run(model, ids, 6, factory=factory)
-    assert_same(res, ref_tokens, ref_logits)
+        res = run(case.model, case.ids, 6, factory=factory)
+    assert_same(res, case.in_memory)
     expect = {"baseline": {"pagecache"}, "cachepolicy": {"pagecache"}, "direct": {"direct"}}
     if mode in expect:
         assert set(res.stats) == expect[mode]
@@ -91,3 +118,20 @@ def test_cli_reports_flexllmgen_lines_and_json(capsys: pytest.CaptureFixture[str
     assert out["gen_len"] == 5 and len(out["tokens"]) == 2 and len(out["tokens"][0]) == 5
     assert out["decode_throughput_tok_s"] > 0
     assert set(out["pipeline"]["decision"]) == {"1"}
+
+
+def test_runner_refuses_more_positions_than_the_model_has() -> None:
+    cfg = CONFIGS["opt"]
+    model = runner_model(hf_model(cfg, torch.float32))
+    opened: list[Geometry] = []
+    ids = prompt(cfg, 1, cfg.max_positions - 2)
+
+    def factory(g: Geometry) -> Any:
+        opened.append(g)
+        raise AssertionError("no KV session may be opened for a request that cannot run")
+
+    with pytest.raises(ValueError, match=rf"needs {cfg.max_positions + 2} positions, more than .*'s "
+                                         rf"{cfg.max_positions}; shorten the prompt or gen_len"):
+        run(model, ids, 5, factory=factory)
+    assert opened == []
+    assert run(model, ids, 3).gen_len == 3  # exactly max_positions positions is fine

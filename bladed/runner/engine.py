@@ -140,11 +140,16 @@ class Runner:
         pol, m, cfg = self.policy, self.model, self.model.cfg
         nb, gbs = pol.num_gpu_batches, pol.gpu_batch_size
         if input_ids.shape[0] != nb * gbs:
-            raise ValueError(f"batch {input_ids.shape[0]} != gpu_batch_size*num_gpu_batches = {nb * gbs}")
+            raise ValueError(f"a batch of {input_ids.shape[0]} prompts does not match gpu_batch_size * "
+                             f"num_gpu_batches = {gbs} * {nb}; pass {nb * gbs} prompts or change the policy")
         if gen_len < 1:
-            raise ValueError("gen_len must be >= 1")
+            raise ValueError(f"gen_len {gen_len} must be at least 1")
         prompt_len = int(input_ids.shape[1])
         max_tokens = prompt_len + gen_len
+        positions = max_tokens - 1  # the last generated token is never fed back
+        if positions > cfg.max_positions:
+            raise ValueError(f"a {prompt_len}-token prompt plus gen_len {gen_len} needs {positions} positions, "
+                             f"more than {cfg.name}'s {cfg.max_positions}; shorten the prompt or gen_len")
         dev, dtype = self.device, m.dtype
         cuda = dev.type == "cuda"
         disk_layers = [j for j, t in enumerate(self.tiers) if t == "disk"]

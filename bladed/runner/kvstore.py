@@ -32,7 +32,12 @@ _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.flo
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
-    return _DTYPE_BYTES[dtype]
+    """Bytes per element of a KV dtype (ValueError naming the supported ones for any other)."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        known = ", ".join(str(d).removeprefix("torch.") for d in _DTYPE_BYTES)
+        raise ValueError(f"KV dtype {dtype} is not supported; use one of {known}") from None
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Decoder models for the runner: OPT and LLaMA-style (grouped-query attention).
 
 The layer maths follows the eager ("reference") attention path of the
-decoder families so that, with the same weights and tensor shapes, the
-runner produces bit-identical logits to Hugging Face transformers. Weights
+decoder families operation by operation, so with the same weights the runner
+gives transformers' greedy tokens and its logits to within a few ulp (not bit
+for bit: matmul kernels differ by CPU and by call shape). Weights
 are kept in a flat dict keyed by the Hugging Face parameter names, so a
 checkpoint directory, a converted GGUF file and an in-memory HF model all
 load the same way. The runner owns the KV cache: a layer's forward takes the
