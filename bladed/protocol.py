@@ -43,6 +43,9 @@ HEADER = struct.Struct("<2sBBI")
 MAX_FRAME_BYTES = 1 << 20
 #: most descriptors accepted with one frame
 MAX_FDS = 4
+#: integers on the wire are 64-bit signed, so that every client language can hold them
+INT_MIN = -(1 << 63)
+INT_MAX = (1 << 63) - 1
 
 #: the requests of protocol 1 (docs/protocol.md has one section per op)
 OPS = (
@@ -195,6 +198,14 @@ class FrameError(Exception):
     """The byte stream is not a valid frame sequence: the connection cannot continue."""
 
 
+class FrameTooLargeError(ValueError):
+    """A body to send encodes to more than MAX_FRAME_BYTES (nothing was sent)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"frame of {nbytes} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        self.nbytes = nbytes
+
+
 class ConnectionClosed(Exception):
     """The peer closed the connection at a frame boundary."""
 
@@ -217,7 +228,7 @@ def encode(body: dict[str, Any]) -> bytes:
     """Header + compact JSON for ``body``."""
     data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     if len(data) > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        raise FrameTooLargeError(len(data))
     return HEADER.pack(MAGIC, FRAME_FORMAT, 0, len(data)) + data
 
 
@@ -300,28 +311,59 @@ class BadBody(Exception):
 _MISSING: Any = object()
 
 
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "an array"}
+
+
+def shown(value: Any, limit: int = 64) -> str:
+    """``value`` as the JSON the client sent, cut to ``limit`` characters (for error messages)."""
+    try:
+        text = json.dumps(value)
+    except ValueError:  # an int past Python's digit limit cannot come from the parser; be safe anyway
+        text = type(value).__name__
+    return clip(text, limit)
+
+
 def get_field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = _MISSING,
               minimum: Any = None, maximum: Any = None,
-              choices: Sequence[Any] | None = None) -> Any:
-    """A typed field of a request, or RequestError(BAD_REQUEST) naming the problem."""
+              choices: Sequence[Any] | None = None, prefix: str = "") -> Any:
+    """A typed field of a request, or RequestError(BAD_REQUEST) naming the field, the value and what was expected.
+
+    The one place request fields are checked: JSON ``true``/``false`` is not an
+    integer, and an integer outside ``INT_MIN..INT_MAX`` is refused even without
+    ``minimum``/``maximum``.  ``prefix`` names the enclosing object in messages
+    (``"geometry."``).
+    """
+    label = f"{prefix}{name}"
     if name not in body or body[name] is None:
         if default is _MISSING:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"missing field {name!r}")
+            raise RequestError(ErrorCode.BAD_REQUEST, f"missing field {label!r}")
         return default
     value = body[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     # bool is an int in Python; JSON true is not a number
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {names}, got {type(value).__name__}")
+        names = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in kinds)
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {label!r} must be {names}, got {shown(value)}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        minimum = INT_MIN if minimum is None else minimum
+        maximum = INT_MAX if maximum is None else maximum
     if minimum is not None and value < minimum:
-        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be >= {minimum}, got {value}")
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {label!r} must be >= {minimum}, got {shown(value)}")
     if maximum is not None and value > maximum:
-        raise RequestError(ErrorCode.BAD_REQUEST, f"field {name!r} must be <= {maximum}, got {value}")
+        raise RequestError(ErrorCode.BAD_REQUEST, f"field {label!r} must be <= {maximum}, got {shown(value)}")
     if choices is not None and value not in choices:
         raise RequestError(ErrorCode.BAD_REQUEST,
-                           f"field {name!r} must be one of {', '.join(map(str, choices))}, got {value!r}")
+                           f"field {label!r} must be one of {', '.join(map(str, choices))}, got {shown(value)}")
     return value
+
+
+def request_id(body: dict[str, Any]) -> int | None:
+    """The request's ``id`` when it is a valid one (to echo in the reply), else None."""
+    value = body.get("id")
+    if isinstance(value, int) and not isinstance(value, bool) and INT_MIN <= value <= INT_MAX:
+        return value
+    return None
 
 
 def ok_reply(req_id: Any, **fields: Any) -> dict[str, Any]:

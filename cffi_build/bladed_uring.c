@@ -12,6 +12,7 @@
 #include <linux/falloc.h>
 #include <linux/nvme_ioctl.h>
 #include <liburing.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
@@ -37,7 +38,7 @@
 #define NVME_CMD_WRITE_ZEROES 0x08
 #define NVME_CMD_DSM 0x09
 #define NVME_DSM_ATTR_DEALLOCATE (1U << 2)
-#define NVME_WZ_MAX_BLOCKS 65536u          /* NLB is a 16-bit, 0-based field */
+#define DSM_MAX_NLB 0xffffffffu            /* a DSM range's NLB is 32 bits, 1-based */
 #define HUGE_2M (2u << 20)
 
 struct bd_dsm_range {                       /* NVMe DSM range: nlb is 1-based */
@@ -50,6 +51,7 @@ struct bd_slot {                            /* one in-flight command */
     struct bd_xfer *x;
     uint64_t slba;
     uint64_t len;                           /* payload bytes expected */
+    uint32_t nlb;                           /* 0-based blocks (Eq. 10) */
     struct bd_dsm_range dsm;
     int next_free;
 };
@@ -64,6 +66,7 @@ struct bd_ring {
     struct bd_xfer *sub_head, *sub_tail;    /* transfers with chunks left to submit */
     struct bd_xfer *done_head, *done_tail;  /* completed, not yet handed out */
     unsigned outstanding;                   /* queued + in flight + done-not-returned */
+    unsigned ndone;                         /* length of the done list */
     struct iovec *bufs;
     unsigned nbufs;
     uint64_t n_submitted, n_completed, max_inflight, n_waits;
@@ -176,7 +179,8 @@ int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len)
 
     for (i = 0; i < r->nbufs; i++) {
         uintptr_t b = (uintptr_t)r->bufs[i].iov_base;
-        if (a >= b && a + len <= b + r->bufs[i].iov_len)
+        uint64_t size = r->bufs[i].iov_len;
+        if (a >= b && a - b <= size && len <= size - (a - b))   /* no a + len: it could wrap */
             return (int)i;
     }
     return -1;
@@ -192,29 +196,116 @@ void bd_ring_stats(struct bd_ring *r, uint64_t *out4)
     out4[3] = r->n_waits;
 }
 
-int bd_chunk_plan(uint64_t slba, uint64_t nbytes, uint32_t lba_shift, uint32_t max_chunk_bytes,
-                  uint64_t *slbas, uint32_t *nlbs, uint64_t *buf_offs, unsigned max_chunks)
-{
-    /* Eq. 7: chunk = align_down(MDTS, lba); Eq. 8: n_chunks, n_maxBlocks;
-     * Eq. 9-11: slba, 0-based nlb and dbuf offset of chunk N. */
-    uint64_t chunk = ((uint64_t)max_chunk_bytes >> lba_shift) << lba_shift;
-    uint64_t max_blocks, remain, n, i;
+/* ---------------------------------------------------------- validation -- */
 
-    if (chunk == 0 || (nbytes & ((1ull << lba_shift) - 1)))
-        return -EINVAL;
-    max_blocks = chunk >> lba_shift;
-    n = (nbytes + chunk - 1) / chunk;
-    if (n > max_chunks)
-        return -E2BIG;
-    remain = nbytes >> lba_shift;
-    for (i = 0; i < n; i++) {
-        uint64_t blocks = remain < max_blocks ? remain : max_blocks;
-        slbas[i] = slba + i * max_blocks;
-        nlbs[i] = (uint32_t)(blocks - 1);
-        buf_offs[i] = i * chunk;
-        remain -= blocks;
+static int is_rw(int op) { return op == BD_OP_READ || op == BD_OP_WRITE; }
+
+/* The target and op alone: enum bd_bad. */
+static int target_why(const struct bd_target *t, int op)
+{
+    if (!t || (t->kind != BD_KIND_FILE && t->kind != BD_KIND_BLOCK && t->kind != BD_KIND_NVME))
+        return BD_BAD_TARGET;
+    if (op < BD_OP_READ || op > BD_OP_WRITE_ZEROES)
+        return BD_BAD_OP;
+    /* checked before any shift by lba_shift: shifting by >= 64 is undefined */
+    if (t->lba_shift < BD_LBA_SHIFT_MIN || t->lba_shift > BD_LBA_SHIFT_MAX)
+        return BD_BAD_LBA_SHIFT;
+    if (is_rw(op) && (t->max_chunk_bytes >> t->lba_shift) == 0)
+        return BD_BAD_CHUNK;
+    return BD_BAD_NONE;
+}
+
+/* [slba, slba + nbytes/LBA) on a valid target: enum bd_bad, *err = -errno. */
+static int extent_why(const struct bd_target *t, uint64_t slba, uint64_t nbytes, int *err)
+{
+    uint64_t blocks, limit;
+
+    if (nbytes & ((1ull << t->lba_shift) - 1)) {
+        *err = -EINVAL;
+        return BD_BAD_LENGTH;
     }
-    return (int)n;
+    blocks = nbytes >> t->lba_shift;
+    /* NVMe addresses 64-bit LBAs; files and block devices take a byte offset
+     * (loff_t, signed 64-bit), so there the end byte must stay below 2^63 */
+    limit = t->kind == BD_KIND_NVME ? UINT64_MAX : (uint64_t)INT64_MAX >> t->lba_shift;
+    if (blocks > limit || slba > limit - blocks) {
+        *err = -EOVERFLOW;
+        return BD_BAD_LBA_RANGE;
+    }
+    return BD_BAD_NONE;
+}
+
+static int xfer_why(const struct bd_xfer *x, int *err)
+{
+    int why = target_why(x->target, x->op);
+
+    *err = -EINVAL;
+    if (why)
+        return why;
+    why = extent_why(x->target, x->slba, x->nbytes, err);
+    if (why)
+        return why;
+    if (is_rw(x->op) && x->nbytes) {
+        if (!x->buf)
+            return BD_BAD_BUFFER;
+        if ((uintptr_t)x->buf > UINTPTR_MAX - x->nbytes) {
+            *err = -EOVERFLOW;
+            return BD_BAD_BUFFER_RANGE;
+        }
+    }
+    return BD_BAD_NONE;
+}
+
+/* ------------------------------------------------ chunk math, Eq. 7-11 -- */
+
+uint64_t bd_chunk_cap(const struct bd_target *t, int op)
+{
+    uint64_t blocks, rw_max;
+
+    if (target_why(t, op))
+        return 0;
+    if (is_rw(op)) {
+        /* Eq. 7: chunk = align_down(MDTS, LBA), in blocks (n_maxBlocks of Eq. 8) */
+        blocks = t->max_chunk_bytes >> t->lba_shift;
+        /* a file/block read or write moves at most MAX_RW_COUNT (cqe->res is an int) */
+        rw_max = (uint64_t)BD_RW_MAX_BYTES >> t->lba_shift;
+        if (t->kind != BD_KIND_NVME && blocks > rw_max)
+            blocks = rw_max;
+    } else {
+        uint32_t limit = op == BD_OP_DISCARD ? t->max_discard_blocks : t->max_zeroes_blocks;
+        blocks = limit ? limit : DSM_MAX_NLB;
+    }
+    /* NVMe Read, Write and Write Zeroes carry a 16-bit 0-based NLB whatever MDTS allows */
+    if (t->kind == BD_KIND_NVME && op != BD_OP_DISCARD && blocks > (uint64_t)BD_NVME_MAX_NLB)
+        blocks = BD_NVME_MAX_NLB;
+    return blocks << t->lba_shift;
+}
+
+int bd_chunk_at(const struct bd_target *t, int op, uint64_t slba, uint64_t nbytes, uint64_t off,
+                struct bd_chunk *c)
+{
+    uint64_t chunk, len;
+    int err = -EINVAL;
+
+    memset(c, 0, sizeof(*c));
+    c->why = target_why(t, op);
+    if (!c->why)
+        c->why = extent_why(t, slba, nbytes, &err);
+    if (c->why)
+        return err;
+    chunk = bd_chunk_cap(t, op);
+    c->count = nbytes / chunk + (nbytes % chunk != 0);        /* Eq. 8, ceil without nbytes + chunk - 1 */
+    if ((off & ((1ull << t->lba_shift) - 1)) || off >= nbytes) {
+        c->why = BD_BAD_OFFSET;
+        return -EINVAL;
+    }
+    /* chunk N starts at off = (N-1)·chunk: extent_why bounds slba + off/LBA */
+    len = nbytes - off < chunk ? nbytes - off : chunk;         /* min(n_maxBlocks, n_remains) */
+    c->slba = slba + (off >> t->lba_shift);                    /* Eq. 9 */
+    c->nlb = (uint32_t)((len >> t->lba_shift) - 1);            /* Eq. 10, 0-based */
+    c->buf_off = off;                                          /* Eq. 11 */
+    c->len = len;
+    return 0;
 }
 
 /* ---------------------------------------------------------------- queue -- */
@@ -230,6 +321,7 @@ static void done_push(struct bd_ring *r, struct bd_xfer *x)
     else
         r->done_head = x;
     r->done_tail = x;
+    r->ndone++;
 }
 
 static void fail(struct bd_xfer *x, int kind, int value, uint64_t slba)
@@ -243,25 +335,23 @@ static void fail(struct bd_xfer *x, int kind, int value, uint64_t slba)
 
 int bd_enqueue(struct bd_ring *r, struct bd_xfer *x)
 {
-    uint32_t lba_mask;
+    int err, why;
 
-    if (!x->target || x->queued)
-        return -EINVAL;
-    lba_mask = (1u << x->target->lba_shift) - 1;
-    if (x->nbytes & lba_mask)
-        return -EINVAL;
-    if ((x->op == BD_OP_READ || x->op == BD_OP_WRITE) && x->target->max_chunk_bytes <= lba_mask)
-        return -EINVAL;
-    x->err_kind = BD_OK;
-    x->err_value = 0;
-    x->err_slba = 0;
+    if (x->queued)
+        return -EBUSY;     /* in flight: its fields belong to the engine */
+    why = xfer_why(x, &err);
+    x->err_kind = why ? BD_ERR_INVALID : BD_OK;
+    x->err_value = why;
+    x->err_slba = why ? x->slba : 0;
     x->n_chunks = 0;
     x->t_submit_ns = 0;
     x->t_done_ns = 0;
     x->next_off = 0;
     x->inflight = 0;
-    x->queued = 1;
     x->next = NULL;
+    if (why)
+        return err;       /* nothing queued; x says why */
+    x->queued = 1;
     r->outstanding++;
     if (x->nbytes == 0) {
         done_push(r, x);
@@ -275,31 +365,11 @@ int bd_enqueue(struct bd_ring *r, struct bd_xfer *x)
     return 0;
 }
 
-/* Size of the next command of x, Eq. 7-10 (discard: bounded by max_discard_blocks). */
-static uint64_t next_chunk_len(const struct bd_xfer *x)
-{
-    const struct bd_target *t = x->target;
-    uint64_t remain = x->nbytes - x->next_off;
-    uint64_t cap;
-
-    if (x->op == BD_OP_READ || x->op == BD_OP_WRITE) {
-        cap = ((uint64_t)t->max_chunk_bytes >> t->lba_shift) << t->lba_shift;
-    } else {
-        uint64_t limit = x->op == BD_OP_DISCARD ? t->max_discard_blocks : t->max_zeroes_blocks;
-        uint64_t blocks = limit ? limit : 0xffffffffull;   /* a DSM range's NLB is 32 bits */
-        if (t->kind == BD_KIND_NVME && x->op == BD_OP_WRITE_ZEROES && blocks > NVME_WZ_MAX_BLOCKS)
-            blocks = NVME_WZ_MAX_BLOCKS;
-        cap = blocks << t->lba_shift;
-    }
-    return remain < cap ? remain : cap;
-}
-
 static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slot *s, struct bd_xfer *x,
                       uint64_t off)
 {
     const struct bd_target *t = x->target;
     struct nvme_uring_cmd *cmd = (struct nvme_uring_cmd *)sqe->cmd;
-    uint32_t nblocks = (uint32_t)(s->len >> t->lba_shift);
 
     sqe->opcode = IORING_OP_URING_CMD;
     sqe->fd = t->fd;
@@ -314,7 +384,7 @@ static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slo
         cmd->data_len = (uint32_t)s->len;
         cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);               /* Eq. 9 */
         cmd->cdw11 = (uint32_t)(s->slba >> 32);
-        cmd->cdw12 = nblocks - 1;                                       /* Eq. 10 */
+        cmd->cdw12 = s->nlb;                            /* Eq. 10, <= 0xffff (bd_chunk_cap) */
         if (x->buf_index >= 0) {
             sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
             sqe->buf_index = (uint16_t)x->buf_index;
@@ -324,11 +394,11 @@ static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slo
         cmd->opcode = NVME_CMD_WRITE_ZEROES;
         cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);
         cmd->cdw11 = (uint32_t)(s->slba >> 32);
-        cmd->cdw12 = nblocks - 1;
+        cmd->cdw12 = s->nlb;
         break;
     case BD_OP_DISCARD:
         s->dsm.cattr = 0;
-        s->dsm.nlb = nblocks;                                           /* 1-based here */
+        s->dsm.nlb = s->nlb + 1;                       /* 1-based here, <= 0xffffffff */
         s->dsm.slba = s->slba;
         cmd->opcode = NVME_CMD_DSM;
         cmd->addr = (uint64_t)(uintptr_t)&s->dsm;
@@ -385,8 +455,8 @@ static unsigned fill(struct bd_ring *r)
         struct bd_xfer *x = r->sub_head;
         struct io_uring_sqe *sqe;
         struct bd_slot *s;
-        uint64_t len;
-        int idx;
+        struct bd_chunk c;
+        int idx, ret;
 
         if (x->err_kind != BD_OK || x->next_off >= x->nbytes) {
             /* nothing more to submit for x: it completes when its chunks drain */
@@ -402,7 +472,6 @@ static unsigned fill(struct bd_ring *r)
         if (x->op == BD_OP_DISCARD && x->target->kind == BD_KIND_BLOCK &&
             x->target->discard_mode == BD_DISCARD_IOCTL) {
             uint64_t off = (x->slba << x->target->lba_shift) + x->next_off;
-            int ret;
             if (!x->t_submit_ns)
                 x->t_submit_ns = bd_monotonic_ns();
             ret = bd_blkdiscard(x->target->fd, off, x->nbytes - x->next_off);
@@ -412,6 +481,13 @@ static unsigned fill(struct bd_ring *r)
             x->next_off = x->nbytes;
             continue;
         }
+        /* Eq. 8-11: the command that starts at next_off (validated at enqueue;
+         * checked again because the target is caller memory) */
+        ret = bd_chunk_at(x->target, x->op, x->slba, x->nbytes, x->next_off, &c);
+        if (ret < 0) {
+            fail(x, BD_ERR_ERRNO, -ret, x->slba);
+            continue;
+        }
         sqe = io_uring_get_sqe(&r->ring);
         if (!sqe)
             break;
@@ -419,10 +495,10 @@ static unsigned fill(struct bd_ring *r)
         idx = r->free_head;
         s = &r->slots[idx];
         r->free_head = s->next_free;
-        len = next_chunk_len(x);
         s->x = x;
-        s->len = len;
-        s->slba = x->slba + (x->next_off >> x->target->lba_shift);
+        s->len = c.len;
+        s->slba = c.slba;
+        s->nlb = c.nlb;
         if (x->target->kind == BD_KIND_NVME)
             prep_nvme(sqe, r, s, x, x->next_off);
         else
@@ -430,7 +506,7 @@ static unsigned fill(struct bd_ring *r)
         io_uring_sqe_set_data64(sqe, (uint64_t)idx);
         if (!x->t_submit_ns)
             x->t_submit_ns = bd_monotonic_ns();
-        x->next_off += len;
+        x->next_off += c.len;
         x->inflight++;
         x->n_chunks++;
         r->inflight++;
@@ -467,21 +543,16 @@ static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
     r->n_completed++;
     x->inflight--;
     if (x->inflight == 0 && (x->err_kind != BD_OK || x->next_off >= x->nbytes)) {
-        /* done, unless it still sits at the head of the submit list (error case) */
+        /* Only the head of the submit list can have commands in flight: fill()
+         * takes a transfer off the list once it has nothing more to submit, and
+         * never starts the next one before that.  So x is either still the head
+         * (failed, or its last chunk went out when the queue filled) or already
+         * off the list. */
         if (r->sub_head == x) {
             r->sub_head = x->next;
             if (!r->sub_head)
                 r->sub_tail = NULL;
-        } else if (x->next_off < x->nbytes) {
-            /* errored while not at the head: unlink from the submit list */
-            struct bd_xfer *p = r->sub_head;
-            while (p && p->next != x)
-                p = p->next;
-            if (p) {
-                p->next = x->next;
-                if (r->sub_tail == x)
-                    r->sub_tail = p;
-            }
+            x->next = NULL;
         }
         done_push(r, x);
     }
@@ -500,16 +571,6 @@ static unsigned reap(struct bd_ring *r)
     return n;
 }
 
-static unsigned done_count(struct bd_ring *r)
-{
-    unsigned n = 0;
-    struct bd_xfer *x;
-
-    for (x = r->done_head; x; x = x->next)
-        n++;
-    return n;
-}
-
 int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, unsigned max_done)
 {
     unsigned out = 0;
@@ -518,10 +579,9 @@ int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, uns
         min_done = max_done;
     for (;;) {
         unsigned prepared = fill(r);
-        unsigned have = done_count(r);
         int ret;
 
-        if (have >= min_done || (r->inflight == 0 && !r->sub_head)) {
+        if (r->ndone >= min_done || (r->inflight == 0 && !r->sub_head)) {
             if (prepared) {
                 ret = io_uring_submit(&r->ring);
                 if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
@@ -545,6 +605,7 @@ int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, uns
             r->done_tail = NULL;
         x->next = NULL;
         x->queued = 0;
+        r->ndone--;
         r->outstanding--;
         done[out++] = x;
     }
@@ -641,7 +702,7 @@ void *bd_staging_alloc(uint64_t len, int *how)
     uintptr_t a, aligned;
 
     *how = 0;
-    if (len == 0)
+    if (len == 0 || len > SIZE_MAX - HUGE_2M)   /* len + HUGE_2M below must not wrap */
         return NULL;
     if (len % HUGE_2M == 0) {
         p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);

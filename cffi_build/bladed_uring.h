@@ -4,8 +4,10 @@
  * Only what must be C lives here: SQE preparation (including the NVMe
  * passthrough command that liburing 2.3 has no helper for), the submit/reap
  * loop that keeps the queue full across chunks and across consecutive
- * transfers, and the few syscalls/ioctls that Python cannot reach cleanly.
- * Everything else (validation, policy, error text) is Python.
+ * transfers, the chunk math it runs on (Eq. 7-11, the one implementation),
+ * and the few syscalls/ioctls that Python cannot reach cleanly.  The entry
+ * points refuse shifts, sizes and ranges that would overflow or wrap; policy
+ * and error text are Python.
  *
  * This file is read twice: by the C compiler, and (between the CDEF markers)
  * by cffi as the declarations of the extension module.
@@ -32,7 +34,31 @@ enum bd_err_kind {
     BD_OK = 0,
     BD_ERR_ERRNO = 1,         /* err_value = positive errno */
     BD_ERR_NVME = 2,          /* err_value = NVMe status (sct << 8 | sc, + CRD/M/DNR bits) */
-    BD_ERR_SHORT = 3          /* err_value = bytes actually transferred by the chunk */
+    BD_ERR_SHORT = 3,         /* err_value = bytes actually transferred by the chunk */
+    BD_ERR_INVALID = 4        /* refused by bd_enqueue: err_value = enum bd_bad */
+};
+
+/* Why a transfer or a chunk query was refused (nothing was submitted).  The
+ * errno that goes with it is EOVERFLOW for BD_BAD_LBA_RANGE and
+ * BD_BAD_BUFFER_RANGE, EINVAL for the others. */
+enum bd_bad {
+    BD_BAD_NONE = 0,
+    BD_BAD_TARGET = 1,        /* NULL target or unknown kind */
+    BD_BAD_OP = 2,            /* unknown op */
+    BD_BAD_LBA_SHIFT = 3,     /* lba_shift outside BD_LBA_SHIFT_MIN..BD_LBA_SHIFT_MAX */
+    BD_BAD_CHUNK = 4,         /* read/write: max_chunk_bytes below one LBA */
+    BD_BAD_LENGTH = 5,        /* nbytes not a multiple of the LBA */
+    BD_BAD_LBA_RANGE = 6,     /* the LBA range (or its byte offsets) does not fit 64 bits: EOVERFLOW */
+    BD_BAD_BUFFER = 7,        /* read/write: NULL buffer */
+    BD_BAD_BUFFER_RANGE = 8,  /* read/write: buffer + nbytes wraps the address space */
+    BD_BAD_OFFSET = 9         /* bd_chunk_at: off not an LBA multiple or not below nbytes */
+};
+
+enum {
+    BD_LBA_SHIFT_MIN = 9,     /* 512-byte LBAs */
+    BD_LBA_SHIFT_MAX = 16,    /* 64 KiB LBAs */
+    BD_NVME_MAX_NLB = 65536,  /* NVMe CDW12 NLB: 16 bits, 0-based (Read, Write, Write Zeroes) */
+    BD_RW_MAX_BYTES = 0x7ffff000   /* Linux MAX_RW_COUNT: most bytes one read/write moves */
 };
 
 enum bd_discard_mode {
@@ -65,7 +91,7 @@ struct bd_xfer {
     int err_kind;                 /* enum bd_err_kind; first failure wins */
     int err_value;
     uint64_t err_slba;            /* first LBA of the failing chunk */
-    uint32_t n_chunks;            /* commands issued */
+    uint64_t n_chunks;            /* commands issued */
     uint64_t t_submit_ns;         /* CLOCK_MONOTONIC at the first submission */
     uint64_t t_done_ns;           /* CLOCK_MONOTONIC at the last completion */
     /* engine-private */
@@ -91,7 +117,10 @@ int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len);
  * transfer's last chunk to the next transfer's first, and returns when at
  * least min_done transfers have completed (fewer only if nothing is left).
  * Completed transfers are written to done[] (at most max_done; the rest stay
- * for the next call).  Returns the count, or -errno if the ring failed. */
+ * for the next call).  Returns the count, or -errno if the ring failed.
+ * bd_enqueue validates x first and refuses it with -EINVAL or -EOVERFLOW,
+ * err_kind = BD_ERR_INVALID and err_value = enum bd_bad (-EBUSY, x untouched,
+ * if x is already queued). */
 int bd_enqueue(struct bd_ring *r, struct bd_xfer *x);
 int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, unsigned max_done);
 unsigned bd_outstanding(struct bd_ring *r);
@@ -102,9 +131,25 @@ void bd_ring_stats(struct bd_ring *r, uint64_t *out4);
 /* Convenience: enqueue n transfers and run them all to completion. */
 int bd_run(struct bd_ring *r, struct bd_xfer *xfers, unsigned n);
 
-/* Eq. 7-11 as the engine computes them (exposed for tests). */
-int bd_chunk_plan(uint64_t slba, uint64_t nbytes, uint32_t lba_shift, uint32_t max_chunk_bytes,
-                  uint64_t *slbas, uint32_t *nlbs, uint64_t *buf_offs, unsigned max_chunks);
+/* The chunk math (paper Eq. 7-11): the engine sizes every command with
+ * bd_chunk_at, and bladed.io.chunking wraps the same two functions.
+ * bd_chunk_cap: Eq. 7, the most bytes one command of op may carry on t
+ * (align_down(max_chunk_bytes, LBA) for read/write, the discard/zeroes limits
+ * otherwise; NVMe NLB and MAX_RW_COUNT clamps applied); 0 if t or op is invalid.
+ * bd_chunk_at: Eq. 8-11 for the command that starts at byte off of the
+ * transfer (slba, nbytes), and the count; returns 0, or -EINVAL / -EOVERFLOW
+ * with c->why set (c->count is set as soon as the target and extent are valid). */
+struct bd_chunk {
+    uint64_t count;               /* Eq. 8: n_chunks of the whole transfer */
+    uint64_t slba;                /* Eq. 9: first LBA of this command */
+    uint32_t nlb;                 /* Eq. 10: 0-based block count (NVMe CDW12) */
+    uint64_t buf_off;             /* Eq. 11: dbuf - buf */
+    uint64_t len;                 /* payload bytes of this command */
+    int why;                      /* enum bd_bad when refused */
+};
+uint64_t bd_chunk_cap(const struct bd_target *t, int op);
+int bd_chunk_at(const struct bd_target *t, int op, uint64_t slba, uint64_t nbytes, uint64_t off,
+                struct bd_chunk *c);
 
 /* Syscalls and ioctls.  All return 0 or -errno. */
 int bd_nvme_ns_id(int fd);                              /* >0 nsid */

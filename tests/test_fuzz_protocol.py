@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import pytest
 from daemon_util import DaemonProcess, short_tmpdir
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from bladed.client import Client
+from bladed.client import MODES, Client
 from bladed.protocol import (
     FRAME_FORMAT,
     HEADER,
@@ -47,8 +47,11 @@ from bladed.protocol import (
     ErrorCode,
     FrameError,
     FrameReader,
+    encode,
     send_frame,
 )
+from bladed.residency.geometry import align_up
+from bladed.server.session import MAX_LAYERS
 
 GEOMETRY = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 TOKEN = 4096
@@ -489,3 +492,130 @@ def test_hostile_values_echoed_in_errors_cannot_blow_the_reply_past_the_frame_li
         assert reader.read().body["ok"]
     finally:
         sock.close()
+
+
+# -- every accepted open_session gets a reply that fits a frame -----------------------------------------
+MAX_STAGING = FUZZ_CONFIG["io"]["max_staging_bytes"]
+MAX_CHANNELS = FUZZ_CONFIG["io"]["max_channels"]
+
+
+def wait_region_free(sock: socket.socket, reader: FrameReader, timeout: float = 30.0) -> int:
+    """The region's size in bytes, once the sessions of earlier tests are torn down (their connections are
+    closed; teardown runs on the daemon's reader threads)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        send_frame(sock, {"op": "status", "id": 8})
+        status = reader.read().body
+        if status["sessions"] == 0 or time.monotonic() > deadline:
+            assert status["sessions"] == 0 and status["extents"]["used_blocks"] == 0, status
+            return int(status["region"]["bytes"])
+
+
+@st.composite
+def open_requests(draw: st.DrawFn) -> dict[str, object]:
+    """open_session requests at and just past the accepted limits: up to MAX_LAYERS (+1) layers, one KPU up to
+    io.max_staging_bytes (the largest batch or max_tokens a slot holds, or one past it), up to io.max_channels (+1)
+    channels, every mode, checksums on or off."""
+    layers = draw(st.sampled_from([1, 2, MAX_LAYERS - 1, MAX_LAYERS, MAX_LAYERS, MAX_LAYERS + 1])
+                  | st.integers(1, MAX_LAYERS))
+    dtype = draw(st.sampled_from([1, 2, 4, 8]))
+    kv_heads = draw(st.sampled_from([1, 3, 8, 32]))
+    head_dim = draw(st.sampled_from([1, 7, 64, 128]))
+    row = kv_heads * head_dim * dtype
+    batch, max_tokens = draw(st.integers(1, 4)), draw(st.integers(1, 64))
+    if row * batch * max_tokens > MAX_STAGING:
+        batch = max_tokens = 1
+    size = draw(st.sampled_from(["small", "max_batch", "max_tokens", "past_max"]))
+    if size == "max_batch" or size == "past_max":
+        batch = max(1, MAX_STAGING // (row * max_tokens)) + (size == "past_max")
+    elif size == "max_tokens":
+        max_tokens = max(1, MAX_STAGING // (row * batch))
+    geometry = {"layers": layers, "batch": batch, "kv_heads": kv_heads, "head_dim": head_dim, "dtype_bytes": dtype,
+                "max_tokens": max_tokens}
+    return {"geometry": geometry, "channels": draw(st.integers(1, MAX_CHANNELS + 1)),
+            "mode": draw(st.sampled_from(MODES)), "checksums": draw(st.booleans())}
+
+
+def _tiny(layers: int, mode: str) -> dict[str, object]:
+    geometry = {"layers": layers, "batch": 1, "kv_heads": 1, "head_dim": 1, "dtype_bytes": 1, "max_tokens": 1}
+    return {"geometry": geometry, "channels": MAX_CHANNELS, "mode": mode, "checksums": True}
+
+
+def _largest_kpu(mode: str) -> dict[str, object]:
+    geometry = {"layers": 1, "batch": MAX_STAGING // 4096, "kv_heads": 1, "head_dim": 1024, "dtype_bytes": 4,
+                "max_tokens": 1}
+    return {"geometry": geometry, "channels": 1, "mode": mode, "checksums": False}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(req=open_requests())
+@example(req=_tiny(MAX_LAYERS, "dualblade"))
+@example(req=_tiny(MAX_LAYERS, "baseline"))
+@example(req=_tiny(MAX_LAYERS, "cachepolicy"))
+@example(req=_tiny(MAX_LAYERS, "direct"))
+@example(req=_tiny(MAX_LAYERS + 1, "dualblade"))
+@example(req=_largest_kpu("dualblade"))
+def test_every_accepted_open_session_gets_a_well_formed_reply_that_fits_a_frame(
+        daemon: DaemonProcess, req: dict[str, object]) -> None:
+    geo = req["geometry"]
+    assert isinstance(geo, dict) and isinstance(req["channels"], int)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(60)
+    sock.connect(daemon.socket_path)
+    reader = FrameReader(sock)  # refuses any frame over MAX_FRAME_BYTES: a reply that does not fit fails here
+    try:
+        send_frame(sock, {"op": "hello", "id": 0, "protocol": PROTOCOL_VERSION})
+        hello = reader.read().body
+        align, lba = hello["staging_align"], hello["lba_size"]
+        region = wait_region_free(sock, reader)
+        kpu_bytes = geo["batch"] * geo["kv_heads"] * geo["head_dim"] * geo["dtype_bytes"] * geo["max_tokens"]
+        token_bytes = kpu_bytes // geo["max_tokens"]
+        # the most the direct-path KPUs can take: every KPU direct, token rows padded to the LBA size
+        direct_bytes = 2 * geo["layers"] * align_up(token_bytes, lba) * geo["max_tokens"]
+        staging = req["channels"] * align_up(kpu_bytes, align)
+        fd = staging_memfd(staging)
+        try:
+            send_frame(sock, {"op": "open_session", "id": 1, "staging_bytes": staging, **req}, [fd])
+        finally:
+            os.close(fd)
+        reply = reader.read().body
+        assert reply["id"] == 1 and len(encode(reply)) <= MAX_FRAME_BYTES
+        within = geo["layers"] <= MAX_LAYERS and req["channels"] <= MAX_CHANNELS and staging <= MAX_STAGING
+        event("ok" if reply["ok"] else reply["error"]["code"])
+        event(f"{'at' if geo['layers'] == MAX_LAYERS else 'past' if geo['layers'] > MAX_LAYERS else 'below'} "
+              f"MAX_LAYERS, {'ok' if reply['ok'] else 'refused'}")
+        if not reply["ok"]:
+            code, message = reply["error"]["code"], reply["error"]["message"]
+            if geo["layers"] > MAX_LAYERS:
+                assert (code, message) == ("bad_request", f"field 'geometry.layers' must be <= {MAX_LAYERS}, "
+                                                          f"got {geo['layers']}")
+            elif req["channels"] > MAX_CHANNELS:
+                assert (code, message) == ("bad_request", f"field 'channels' must be <= {MAX_CHANNELS}, "
+                                                          f"got {req['channels']}")
+            elif staging > MAX_STAGING:
+                assert code == "bad_request" and "io.max_staging_bytes" in message, reply
+            else:
+                # within every limit: only the region may be too small for the direct-path KPUs
+                assert code == "no_space" and direct_bytes > region, reply
+        else:
+            assert within, reply
+            plan, layout = reply["plan"], reply["layout"]
+            assert isinstance(reply["session"], str) and plan["geometry"]["layers"] == geo["layers"]
+            # what clients read (bladed.client.Session, BladedKV, the bench workload): one entry per KPU
+            assert [(k["layer"], k["kind"], k["tensor_id"]) for k in plan["kpus"]] == [
+                (t // 2, "kv"[t % 2], t) for t in range(2 * geo["layers"])]
+            assert all(k["group"] in (1, 2) and k["path"] in ("pagecache", "direct") for k in plan["kpus"])
+            assert sorted(plan["group1"] + plan["group2"]) == list(range(2 * geo["layers"]))
+            assert (layout["channels"], layout["kpu_bytes"], layout["staging_bytes"]) == (
+                req["channels"], kpu_bytes, staging)
+            # the session works at the limit: its last KPU round-trips, then it closes
+            last = {"session": reply["session"], "layer": geo["layers"] - 1, "kind": "v",
+                    "channel": req["channels"] - 1}
+            for i, op in enumerate(("write", "read", "close_session")):
+                send_frame(sock, {"op": op, "id": 2 + i, **last})
+                assert reader.read().body["ok"], op
+        send_frame(sock, {"op": "status", "id": 9})
+        assert reader.read().body["ok"]  # the connection is still usable
+    finally:
+        sock.close()
+    assert daemon.proc is not None and daemon.proc.poll() is None

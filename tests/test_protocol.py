@@ -22,6 +22,8 @@ from bladed import client as client_mod
 from bladed.client import Client
 from bladed.protocol import (
     HEADER,
+    INT_MAX,
+    INT_MIN,
     MAGIC,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -32,14 +34,23 @@ from bladed.protocol import (
     Frame,
     FrameError,
     FrameReader,
+    FrameTooLargeError,
     IncompatibleProtocolError,
     RequestError,
     encode,
     error_from_reply,
     get_field,
     hello_request,
+    ok_reply,
+    request_id,
     send_frame,
 )
+from bladed.residency.budget import BudgetBreakdown
+from bladed.residency.geometry import Geometry
+from bladed.residency.planner import plan_session
+from bladed.server.daemon import Connection
+from bladed.server.metrics import Stats
+from bladed.server.session import MAX_LAYERS, Peer, Session
 
 GEOMETRY = {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 SLOT = 8 * 4096
@@ -95,18 +106,37 @@ def test_reader_rejects_bad_frames() -> None:
 
 
 def test_field_checks_and_error_mapping() -> None:
-    body = {"n": 3, "flag": True, "s": "x"}
+    body = {"n": 3, "flag": True, "s": "x", "f": 1.0, "big": INT_MAX + 1, "low": INT_MIN, "junk": {"a": [1, {}]}}
     assert get_field(body, "n", int, minimum=0, maximum=3) == 3
     assert get_field(body, "missing", int, default=5) == 5
-    for name, kind, kw, msg in [("missing", int, {}, "missing field"), ("flag", int, {}, "must be int"),
-                                ("n", int, {"maximum": 2}, "<= 2"), ("s", str, {"choices": ["k"]}, "one of k")]:
-        with pytest.raises(RequestError, match=msg):
+    assert get_field(body, "low", int) == INT_MIN
+    assert get_field(body, "flag", bool) is True
+    for name, kind, kw, msg in [
+        ("missing", int, {}, "missing field 'missing'"),
+        ("missing", int, {"prefix": "geometry."}, "missing field 'geometry.missing'"),
+        ("flag", int, {}, "field 'flag' must be an integer, got true"),
+        ("f", int, {}, "field 'f' must be an integer, got 1.0"),
+        ("n", bool, {}, "field 'n' must be a boolean, got 3"),
+        ("junk", str, {}, """field 'junk' must be a string, got {"a": [1, {}]}"""),
+        ("s", dict, {"prefix": "x."}, "field 'x.s' must be an object, got \"x\""),
+        ("n", int, {"maximum": 2}, "field 'n' must be <= 2, got 3"),
+        ("big", int, {}, f"field 'big' must be <= {INT_MAX}, got {INT_MAX + 1}"),
+        ("s", str, {"choices": ["k"]}, "field 's' must be one of k, got \"x\""),
+    ]:
+        with pytest.raises(RequestError) as info:
             get_field(body, name, kind, **kw)
+        assert info.value.code is ErrorCode.BAD_REQUEST and info.value.message == msg
+    # a hostile value is cut in the message, so the message stays one short line
+    with pytest.raises(RequestError) as info:
+        get_field({"op": ["x" * 10_000]}, "op", str)
+    assert len(info.value.message) < 120 and "..." in info.value.message
+    assert [request_id(b) for b in ({"id": 7}, {"id": True}, {"id": 1.0}, {"id": INT_MAX + 1}, {})] == [7] + [None] * 4
     err = error_from_reply({"ok": False, "error": {"code": "busy", "message": "slow down"}})
     assert isinstance(err, BusyError) and str(err) == "slow down" and err.code is ErrorCode.BUSY
     assert "weird" in str(error_from_reply({"ok": False, "error": {"code": "weird", "message": "m"}}))
-    with pytest.raises(ValueError, match="limit"):
+    with pytest.raises(FrameTooLargeError, match="limit") as too_big:
         encode({"x": "y" * MAX_FRAME_BYTES})
+    assert too_big.value.nbytes == MAX_FRAME_BYTES + 8  # {"x":"..."} around the padding
 
 
 # -- against a running daemon ------------------------------------------------------------------
@@ -194,7 +224,7 @@ def test_bad_bodies_get_errors_and_the_connection_survives(daemon: DaemonProcess
         ({"op": "status"}, "bad_request"),                         # no id
         ({"op": "status", "id": True}, "bad_request"),             # bool is not an id
         ({"op": "frobnicate", "id": 1}, "unknown_op"),
-        ({"id": 2}, "unknown_op"),
+        ({"id": 2}, "bad_request"),                                # no op
         ({"op": "hello", "id": 3, "protocol": 1}, "bad_request"),  # hello twice
         ({"op": "read", "id": 4, "session": "nope", "layer": 0, "kind": "k", "channel": 0}, "no_such_session"),
         ({"op": "read", "id": 5, "session": 17}, "bad_request"),
@@ -216,6 +246,207 @@ def test_out_of_order_and_version_mismatch(daemon: DaemonProcess) -> None:
     assert error_code(reply) == "incompatible_protocol"
     assert f"protocol {PROTOCOL_VERSION + 1}" in reply["error"]["message"]
     assert c.closed()
+
+
+def reply_error(reply: dict) -> tuple[str, str]:
+    assert reply["ok"] is False, reply
+    return str(reply["error"]["code"]), str(reply["error"]["message"])
+
+
+#: (request, code, message) for requests that are malformed whatever the op; "id" is 5 unless the case is about it
+MALFORMED = [
+    ({"op": "status"}, "bad_request", "missing field 'id'"),
+    ({"op": "status", "id": None}, "bad_request", "missing field 'id'"),
+    ({"op": "status", "id": True}, "bad_request", "field 'id' must be an integer, got true"),
+    ({"op": "status", "id": 1.5}, "bad_request", "field 'id' must be an integer, got 1.5"),
+    ({"op": "status", "id": "5"}, "bad_request", "field 'id' must be an integer, got \"5\""),
+    ({"op": "status", "id": 2**64}, "bad_request", f"field 'id' must be <= {INT_MAX}, got {2**64}"),
+    ({"op": "status", "id": -2**64}, "bad_request", f"field 'id' must be >= {INT_MIN}, got {-2**64}"),
+    ({"id": 5}, "bad_request", "missing field 'op'"),
+    ({"id": 5, "op": None}, "bad_request", "missing field 'op'"),
+    ({"id": 5, "op": 5}, "bad_request", "field 'op' must be a string, got 5"),
+    ({"id": 5, "op": True}, "bad_request", "field 'op' must be a string, got true"),
+    ({"id": 5, "op": ["status"]}, "bad_request", """field 'op' must be a string, got ["status"]"""),
+    ({"id": 5, "op": {"op": "status"}}, "bad_request", """field 'op' must be a string, got {"op": "status"}"""),
+]
+
+
+def test_malformed_requests_get_bad_request_naming_field_value_and_expectation(daemon: DaemonProcess) -> None:
+    c = Raw(daemon.socket_path)
+    for i, (body, code, message) in enumerate(MALFORMED):
+        reply = c.call(body)
+        assert reply_error(reply) == (code, message), body
+        assert reply["id"] == (5 if body.get("id") == 5 else None), reply  # only a valid id is echoed
+        assert c.call({"op": "status", "id": 100 + i})["ok"], body          # the connection stays usable
+    # a string op the daemon does not know is unknown_op, not bad_request; so is the empty op
+    for op in ("frobnicate", ""):
+        code, message = reply_error(c.call({"op": op, "id": 6}))
+        assert code == "unknown_op" and message.startswith(f"unknown op {op!r}; protocol 1 knows hello, ")
+    c.close()
+
+
+def test_malformed_hello_gets_bad_request_and_the_peer_may_try_again(daemon: DaemonProcess) -> None:
+    cases = [
+        ({"protocol": True}, "field 'protocol' must be an integer, got true"),
+        ({"protocol": False}, "field 'protocol' must be an integer, got false"),
+        ({"protocol": "1"}, "field 'protocol' must be an integer, got \"1\""),
+        ({"protocol": 1.0}, "field 'protocol' must be an integer, got 1.0"),
+        ({"protocol": [1]}, "field 'protocol' must be an integer, got [1]"),
+        ({}, "missing field 'protocol'"),
+        ({"protocol": 2**64}, f"field 'protocol' must be <= {INT_MAX}, got {2**64}"),
+    ]
+    for fields, message in cases:
+        c = Raw(daemon.socket_path, greet=False)
+        assert reply_error(c.call({"op": "hello", "id": 1, **fields})) == ("bad_request", message), fields
+        # not greeted, not closed: a corrected hello is accepted
+        assert c.call({"op": "hello", "id": 2, "protocol": PROTOCOL_VERSION})["ok"]
+        assert c.call({"op": "status", "id": 3})["ok"]
+        c.close()
+    # a malformed first request is not "another first request": bad_request, and hello still works
+    c = Raw(daemon.socket_path, greet=False)
+    assert reply_error(c.call({"id": 1})) == ("bad_request", "missing field 'op'")
+    assert reply_error(c.call({"op": 7, "id": 1})) == ("bad_request", "field 'op' must be a string, got 7")
+    assert c.call({"op": "hello", "id": 2, "protocol": PROTOCOL_VERSION})["ok"]
+    c.close()
+    # a well-typed version the daemon does not speak still ends the connection
+    c = Raw(daemon.socket_path, greet=False)
+    code, message = reply_error(c.call({"op": "hello", "id": 1, "protocol": -1}))
+    assert code == "incompatible_protocol" and "client speaks protocol -1" in message
+    assert c.closed()
+
+
+def test_malformed_read_and_write_fields_are_named(daemon: DaemonProcess) -> None:
+    c = Raw(daemon.socket_path)
+    fd = staging_memfd(SLOT)
+    try:
+        opened = c.call({"op": "open_session", "id": 1, "geometry": GEOMETRY, "channels": 1,
+                         "staging_bytes": SLOT}, [fd])
+    finally:
+        os.close(fd)
+    sid = opened["session"]
+    good = {"session": sid, "layer": 0, "kind": "k", "channel": 0}
+    cases = [
+        ({"layer": 1.0}, "field 'layer' must be an integer, got 1.0"),
+        ({"layer": True}, "field 'layer' must be an integer, got true"),
+        ({"layer": None}, "missing field 'layer'"),
+        ({"layer": 2**63}, f"field 'layer' must be <= {INT_MAX}, got {2**63}"),
+        ({"channel": "0"}, "field 'channel' must be an integer, got \"0\""),
+        ({"kind": 5}, "field 'kind' must be a string, got 5"),
+        ({"kind": ["k"]}, """field 'kind' must be a string, got ["k"]"""),
+        ({"token_start": False}, "field 'token_start' must be an integer, got false"),
+        ({"ntokens": 2.5}, "field 'ntokens' must be an integer, got 2.5"),
+        ({"ntokens": -2**70}, f"field 'ntokens' must be >= {INT_MIN}, got {-2**70}"),
+        ({"session": 17}, "field 'session' must be a string, got 17"),
+        ({"session": {"id": sid}}, f"""field 'session' must be a string, got {{"id": "{sid}"}}"""),
+    ]
+    for i, (fields, message) in enumerate(cases):
+        for op in ("read", "write"):
+            reply = c.call({"op": op, "id": 10 + i, **good, **fields})
+            assert reply_error(reply) == ("bad_request", message), (op, fields)
+            assert reply["id"] == 10 + i
+    # in range for the protocol but not for the session: out_of_range, as before
+    code, message = reply_error(c.call({"op": "read", "id": 50, **good, "layer": -1}))
+    assert code == "out_of_range" and message == "layer -1 outside 0..1"
+    assert c.call({"op": "read", "id": 51, **good})["ok"]  # the session still works
+    assert reply_error(c.call({"op": "close_session", "id": 52, "session": None})) == (
+        "bad_request", "missing field 'session'")
+    assert c.call({"op": "close_session", "id": 53, "session": sid})["ok"]
+    c.close()
+
+
+def test_open_session_fields_are_named_with_value_and_limit(daemon: DaemonProcess) -> None:
+    c = Raw(daemon.socket_path)
+    req = {"op": "open_session", "id": 1, "geometry": GEOMETRY, "channels": 1, "staging_bytes": SLOT}
+
+    def geo(**kw: object) -> dict:
+        return dict(req, geometry=dict(GEOMETRY, **kw))
+
+    no_layers = {k: v for k, v in GEOMETRY.items() if k != "layers"}
+    cases = [
+        ({k: v for k, v in req.items() if k != "geometry"}, "missing field 'geometry'"),
+        (dict(req, geometry=[2, 2]), "field 'geometry' must be an object, got [2, 2]"),
+        (dict(req, geometry=no_layers), "missing field 'geometry.layers'"),
+        (geo(layers=MAX_LAYERS + 1), f"field 'geometry.layers' must be <= {MAX_LAYERS}, got {MAX_LAYERS + 1}"),
+        (geo(layers=4096), f"field 'geometry.layers' must be <= {MAX_LAYERS}, got 4096"),
+        (geo(layers=True), "field 'geometry.layers' must be an integer, got true"),
+        (geo(batch=0), "field 'geometry.batch' must be >= 1, got 0"),
+        (geo(kv_heads=-8), "field 'geometry.kv_heads' must be >= 1, got -8"),
+        (geo(head_dim=128.0), "field 'geometry.head_dim' must be an integer, got 128.0"),
+        (geo(max_tokens=2**64), f"field 'geometry.max_tokens' must be <= {INT_MAX}, got {2**64}"),
+        (geo(max_tokens={"n": 8}), """field 'geometry.max_tokens' must be an integer, got {"n": 8}"""),
+        (dict(req, channels="1"), "field 'channels' must be an integer, got \"1\""),
+        (dict(req, channels=0), "field 'channels' must be >= 1, got 0"),
+        (dict(req, channels=9), "field 'channels' must be <= 8, got 9"),
+        (dict(req, staging_bytes=-SLOT), f"field 'staging_bytes' must be >= 1, got {-SLOT}"),
+        (dict(req, staging_bytes=2**63), f"field 'staging_bytes' must be <= {INT_MAX}, got {2**63}"),
+        (dict(req, mode=5), "field 'mode' must be a string, got 5"),
+        (dict(req, checksums=1), "field 'checksums' must be a boolean, got 1"),
+    ]
+    before = open_fds(daemon.pid)
+    for body, message in cases:
+        fd = staging_memfd(SLOT)
+        try:
+            assert reply_error(c.call(body, [fd])) == ("bad_request", message), body
+        finally:
+            os.close(fd)
+    fd = staging_memfd(SLOT)
+    try:
+        code, message = reply_error(c.call(geo(dtype_bytes=3), [fd]))
+        assert code == "bad_request" and "dtype_bytes must be one of 1, 2, 4, 8" in message and "got 3" in message
+        code, message = reply_error(c.call(dict(req, mode="turbo"), [fd]))
+        assert code == "bad_request" and message.startswith("field 'mode': unknown residency mode 'turbo'")
+    finally:
+        os.close(fd)
+    assert c.call({"op": "sessions", "id": 2})["sessions"] == []  # nothing was opened, nothing leaked
+    assert open_fds(daemon.pid) <= before
+    c.close()
+
+
+def test_the_worst_case_open_session_reply_fits_a_frame() -> None:
+    """The arithmetic behind MAX_LAYERS (docs/protocol.md, "Limits"): the largest reply an accepted request can
+    produce, built by the daemon's own reply code, fits a frame."""
+    # every number as large as an accepted request allows: one KPU as large as staging_bytes (< 2^63), and a
+    # 1-byte token row padded to the largest LBA (64 KiB); every KPU on the page-cache path (the longest entry)
+    geo = Geometry(layers=MAX_LAYERS, batch=1, kv_heads=1, head_dim=1, dtype_bytes=1, max_tokens=INT_MAX)
+    plan = plan_session(geo, "baseline", INT_MAX, 65536)
+    assert all(k.path == "pagecache" and k.padded_bytes == 65536 * INT_MAX for k in plan.kpus)
+    # the budget sample with every string as long as a path may be, every number at its largest
+    sample = BudgetBreakdown(m_avail=INT_MAX, m_max=INT_MAX, m_anon_shmem=INT_MAX, m_star=INT_MAX, n_threads=INT_MAX,
+                             m_pin=INT_MAX, b_pc=INT_MAX, cgroup="/" * 4096, cgroup_version="v" * 4096,
+                             override_bytes=INT_MAX, cap_bytes=INT_MAX, sampled_at=-1.7976931348623157e308,
+                             b_pc_computed=INT_MAX, m_anon=INT_MAX, m_shmem=INT_MAX, m_file=INT_MAX, m_kernel=INT_MAX,
+                             mem_total=INT_MAX, limited=False, m_max_source="/" * 4096, binding="b" * 4096,
+                             reason="r" * 4096)
+    budget = sample.to_dict() | {"granted_bytes": INT_MAX, "held_by_others_bytes": INT_MAX, "error": "e" * 8192}
+    out = Session("ffffffff", Peer(pid=INT_MAX, uid=INT_MAX, gid=INT_MAX), geo, plan, budget, Stats()).open_reply()
+    # the layout of an unbound session has no channels: give it the most (io.max_channels <= 64)
+    out["layout"].update(channels=64, registered=[False] * 64, slot_stride=INT_MAX, staging_bytes=INT_MAX,
+                         extent={"start": INT_MAX, "nblocks": INT_MAX})
+    assert len(out["plan"]["kpus"]) == 2 * MAX_LAYERS
+    size = len(encode(ok_reply(INT_MIN, **out)))  # encode raises if it does not fit
+    assert size <= MAX_FRAME_BYTES
+    print(f"\nworst-case open_session reply at {MAX_LAYERS} layers: {size} bytes "
+          f"({100 * size / MAX_FRAME_BYTES:.0f}% of a frame)")
+
+
+def test_an_oversize_reply_becomes_an_error_reply_not_a_dropped_connection() -> None:
+    """No request within the limits makes one (the test above), so the daemon's send path is driven directly,
+    over a real socket: the peer gets an internal error naming the size and the limit, and the next reply."""
+    a, b = socket.socketpair()
+    try:
+        conn = Connection(None, a, Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid()))  # type: ignore[arg-type]
+        big = {"id": 5, "ok": True, "blob": "x" * MAX_FRAME_BYTES}
+        conn.send(big)
+        conn.send({"id": 6, "ok": True})
+        reader = FrameReader(b)
+        first = reader.read().body
+        assert first["id"] == 5 and reply_error(first)[0] == "internal"
+        nbytes = len(json.dumps(big, separators=(",", ":")))
+        assert f"would be {nbytes} bytes, over the {MAX_FRAME_BYTES}-byte frame limit" in first["error"]["message"]
+        assert reader.read().body == {"id": 6, "ok": True}
+    finally:
+        a.close()
+        b.close()
 
 
 def test_client_gets_a_clear_incompatible_protocol_error(daemon: DaemonProcess,

@@ -1,7 +1,10 @@
-"""Live re-planning with a real daemon: when ``B_pc`` shrinks (here: the
-operator lowers ``budget.override`` and sends SIGHUP), live sessions demote
-whole KPUs at an operation boundary; bytes stay identical, demoted files go,
-the journal follows the extent and closing TRIMs all of it.
+"""Live re-planning with a real daemon: when ``B_pc`` shrinks (the operator
+lowers ``budget.override`` and sends SIGHUP, or cuts the limit of the daemon's
+memory cgroup), live sessions demote whole KPUs at an operation boundary;
+bytes stay identical, for whole-LBA and padded token rows, on the file store
+and a loop device; demoted files go, the journal follows the extent and
+closing TRIMs all of it.  A demotion without memory for its buffers is
+refused, counted, and carried out by a later re-plan.
 
 Waits block on the daemon's structured log events (``replan``,
 ``kpu_demoted``) with deadlines; nothing sleeps.
@@ -11,11 +14,20 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import resource
 import signal
+import subprocess
 from typing import Any
 
 import pytest
+from cgroup_util import ChildCgroup
 from daemon_util import ClientProcess, DaemonProcess, UnixHTTPConnection, scrape, short_tmpdir
+from test_daemon import has_data
+from test_faults import assert_clean, oom_kills
+
+from bladed.client import Client, Session
+from bladed.residency.geometry import align_up
 
 #: token = 4096 bytes (aligned); 4 layers -> 8 KPUs of 32 tokens
 ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
@@ -153,3 +165,246 @@ def test_cachepolicy_switches_to_drop_after_use_and_direct_never_changes(tmp: st
         assert (row["group1"], row["demoted_kpus"], row["pagecache_bytes"]) == (2, 2, 8 * KPU)
         assert session_row(o, other)["demoted_kpus"] == 0
         assert not d.events("replan")[1:] and d.events("replan")[0]["session"] == sid
+
+
+# -- every byte survives a real re-plan: both row kinds, both local backends ----------------------------
+#
+# Sessions open with every KPU on the page-cache path (B_pc is large), so a session with padded rows has
+# no bounce buffer yet; a real re-plan then moves its KPUs to the NVMe-direct path.  Every KPU is read
+# back whole on every channel (each channel has its own bounce buffer) before and after the move and
+# after more writes, against a model of what was written; unwritten rows must read as zeroes.
+
+#: 256-byte rows: 16 to a 4 KiB LBA, 2 to a 512-byte one (the protocol fuzzer's geometry, two layers)
+ROW256 = {"layers": 2, "batch": 1, "kv_heads": 1, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 40}
+BIG = 1 << 30
+
+
+class Model:
+    """A live session and what each byte of each of its KPUs must read back as."""
+
+    def __init__(self, sess: Session, seed: str) -> None:
+        self.sess = sess
+        self.rng = random.Random(seed)
+        layers = len(sess.plan["kpus"]) // 2
+        self.kv = {(layer, kind): bytearray(sess.kpu_bytes) for layer in range(layers) for kind in "kv"}
+
+    def write(self, layer: int, kind: str, start: int, n: int, ch: int) -> str:
+        tb = self.sess.token_bytes
+        data = self.rng.randbytes(n * tb)
+        self.sess.slot(ch)[start * tb:(start + n) * tb] = data
+        r = self.sess.write(layer, kind, ch, start, n)
+        self.kv[(layer, kind)][start * tb:(start + n) * tb] = data
+        return r.path
+
+    def fill(self) -> None:
+        """First writes: most KPUs whole; v0 only its first 7 tokens, v1 only 3 tokens mid-way."""
+        t = self.sess.max_tokens
+        for i, (layer, kind) in enumerate(self.kv):
+            start, n = {(0, "v"): (0, 7), (1, "v"): (t // 2, 3)}.get((layer, kind), (0, t))
+            assert self.write(layer, kind, start, n, i % self.sess.channels) == "pagecache"
+
+    def more(self) -> set[str]:
+        """Writes after the re-plan, on other channels: across the old fill mark, and the last token."""
+        t = self.sess.max_tokens
+        paths = set()
+        for i, (layer, kind) in enumerate(self.kv):
+            ch = (i + 1) % self.sess.channels
+            paths.add(self.write(layer, kind, 5, 6, ch))
+            paths.add(self.write(layer, kind, t - 1, 1, ch))
+        return paths
+
+    def check(self) -> dict[str, str]:
+        """Read every KPU whole on every channel and compare every byte; returns each KPU's path."""
+        paths = {}
+        for (layer, kind), want in self.kv.items():
+            for ch in range(self.sess.channels):
+                slot = self.sess.slot(ch)
+                slot[:] = b"\xa5" * len(slot)      # a row the read leaves alone shows up
+                r = self.sess.read(layer, kind, ch)
+                got = bytes(slot)
+                if got != want:
+                    bad = next(i for i in range(len(want)) if got[i] != want[i])
+                    raise AssertionError(f"session {self.sess.id} {kind}{layer} read on channel {ch} ({r.path}): "
+                                         f"byte {bad} (token {bad // self.sess.token_bytes}) differs")
+                paths[f"{kind}{layer}"] = r.path
+        return paths
+
+
+@pytest.fixture(params=["file", "block"])
+def device(request: pytest.FixtureRequest, tmp: str) -> tuple[dict[str, Any], str]:
+    """The daemon's ``[device]`` section and the file its LBAs live in (the store, or the loop's backing file)."""
+    if request.param == "file":
+        return {}, os.path.join(tmp, "kv-store.img")
+    if os.geteuid() != 0:
+        pytest.fail("loop-device tests need root (run the suite as root, as CI does)")
+    dev = request.getfixturevalue("loop_device")
+    backing = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", dev], check=True, capture_output=True,
+                             text=True).stdout.strip()
+    return {"backend": "block", "path": dev}, backing
+
+
+def open_models(c: Client, geometries: list[dict[str, int]], channels: int = 2) -> list[Model]:
+    """Open one session per geometry (oldest first), every KPU on the page-cache path, and fill them."""
+    models = []
+    for i, geo in enumerate(geometries):
+        s = c.open_session(geo, channels=channels)
+        assert {k["path"] for k in s.plan["kpus"]} == {"pagecache"}, s.plan
+        models.append(Model(s, f"{s.id}/{i}"))
+    for m in models:
+        m.fill()
+        assert set(m.check().values()) == {"pagecache"}
+    return models
+
+
+def wait_demotions(d: DaemonProcess, sid: str) -> list[str]:
+    """The KPUs the session's first ``replan`` named, once each is ``kpu_demoted``."""
+    names = d.wait_event("replan", session=sid)["demoted"].split(",")
+    for name in names:
+        ev = d.wait_event("kpu_demoted", session=sid, kpu=name)
+        assert ev["path"] == "direct"
+    return names
+
+
+def close_and_check_clean(d: DaemonProcess, c: Client, models: list[Model], store: str) -> None:
+    """Close every session: its whole extent TRIMmed (a hole in the store again), no file, journal empty."""
+    lba = c.stats()["lba_size"]
+    extents = {r["session"]: r["extent"] for r in c.sessions()}
+    for m in models:
+        m.sess.close()
+        ext = extents[m.sess.id]
+        trimmed = int(d.wait_event("session_close", session=m.sess.id)["trimmed_bytes"])
+        assert trimmed == (ext["nblocks"] * lba if ext else 0)
+        if ext:
+            assert not has_data(store, ext["start"] * lba, ext["nblocks"] * lba), ext
+    assert_clean(d, c, None, None)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("geometry", [ALIGNED, ROW256, UNALIGNED], ids=["rows4096", "rows256", "rows768"])
+def test_sighup_demotion_keeps_every_byte(tmp: str, device: tuple[dict[str, Any], str],
+                                          geometry: dict[str, int]) -> None:
+    dev_cfg, store = device
+    cfg = {"device": dev_cfg, "budget": {"override": BIG},
+           "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
+    with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
+        lba = c.stats()["lba_size"]
+        (m,) = open_models(c, [geometry])
+        stride = align_up(m.sess.token_bytes, lba)
+        assert m.sess.plan["token_stride"] == stride and m.sess.plan["aligned"] == (stride == m.sess.token_bytes)
+
+        shrink(d, 0)
+        assert sorted(wait_demotions(d, m.sess.id)) == sorted(f"{k}{layer}" for layer, k in m.kv)
+        assert set(m.check().values()) == {"direct"}
+        assert m.more() == {"direct"}
+        m.check()
+        (row,) = c.sessions()
+        assert (row["group1"], row["demoted_kpus"], row["demotions_failed"], row["pending_demotions"]) == \
+            (0, len(m.kv), 0, 0)
+        assert pc_files(tmp) == set()
+        metrics = scrape(UnixHTTPConnection(os.path.join(tmp, "metrics.sock")))
+        assert metrics[("bladed_demoted_kpus_total", ())] == len(m.kv)
+        assert metrics[("bladed_demotions_failed_total", ())] == 0
+
+        # the budget grows back: nothing is promoted or moved, every byte still reads back
+        d.config["budget"].update(override=BIG, cap=BIG)
+        d.write_config()
+        d.signal(signal.SIGHUP)
+        d.wait_event("reload", applied="budget.override,budget.cap")
+        assert set(m.check().values()) == {"direct"}
+        assert len(d.events("kpu_demoted")) == len(m.kv) and len(d.events("replan")) == 1
+        close_and_check_clean(d, c, [m], store)
+
+
+@pytest.mark.root
+def test_cgroup_limit_cut_demotes_and_keeps_every_byte(tmp: str, device: tuple[dict[str, Any], str]) -> None:
+    """The daemon runs in a memory cgroup whose limit the operator cuts under live sessions of both row kinds."""
+    dev_cfg, store = device
+    big_aligned = dict(ALIGNED, max_tokens=256)            # 1 MiB KPUs: 8 MiB in the page cache
+    with ChildCgroup(512 << 20) as cg:
+        # reserve_extent: three sessions demote at once, so each needs its room up front (growing in place
+        # needs the blocks after its extent, which the next session's extent holds)
+        cfg = {"device": dev_cfg, "budget": {"interval_s": 0.5, "cgroup": cg.path, "reserve_extent": True}}
+        with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
+            cg.add(d.pid)          # the KV files' pages are charged to the cgroup from here on
+            models = open_models(c, [big_aligned, dict(ROW256, max_tokens=128), UNALIGNED])
+            held = sum(k["nbytes"] for m in models for k in m.sess.plan["kpus"])
+            sample = c.budget()["sample"]
+            assert sample["b_pc"] > held and sample["cgroup"] == cg.path
+            # leave B_pc ~3 MiB: the two newest sessions (padded rows) give all their KPUs back, the
+            # oldest most of its; written-back file pages are what the kernel reclaims to fit the new limit
+            os.sync()
+            cut = sample["m_anon_shmem"] + sample["n_threads"] * sample["m_pin"] + (3 << 20)
+            cg.set_limit(cut)
+
+            demoted = {m.sess.id: wait_demotions(d, m.sess.id) for m in models}
+            for m in models[1:]:
+                assert sorted(demoted[m.sess.id]) == sorted(f"{k}{layer}" for layer, k in m.kv)
+            assert 1 <= len(demoted[models[0].sess.id]) < len(models[0].kv)
+            for m in models:
+                paths = m.check()
+                assert {n for n, p in paths.items() if p == "direct"} == set(demoted[m.sess.id])
+                m.more()
+                assert m.check() == paths
+            assert c.stats()["replan"]["demotions_failed"] == 0
+            assert oom_kills(cg.path) == 0
+            close_and_check_clean(d, c, models, store)
+            assert d.proc is not None and d.proc.poll() is None
+
+
+def vm_bytes(pid: int) -> int:
+    """The address space a process maps now (what RLIMIT_AS bounds)."""
+    with open(f"/proc/{pid}/status") as f:
+        (kb,) = [int(line.split()[1]) for line in f if line.startswith("VmSize:")]
+    return kb << 10
+
+
+@pytest.mark.root
+def test_demotion_without_memory_for_bounce_buffers_is_refused_and_retried(tmp: str) -> None:
+    """No memory for the bounce buffers: the move is refused before anything moves, counted, and bytes stay."""
+    geo = dict(ROW256, max_tokens=512)           # 256 padded rows per bounce buffer: 1 MiB for each channel
+    with ChildCgroup(512 << 20) as cg:
+        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path}, "io": {"max_channels": 8},
+               "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
+        with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
+            cg.add(d.pid)
+            (m,) = open_models(c, [geo], channels=8)
+            sid = m.sess.id
+            sample = c.budget()["sample"]
+            os.sync()
+            # 3 MiB more address space for the daemon: less than the 8 bounce buffers need
+            soft, hard = resource.prlimit(d.pid, resource.RLIMIT_AS)
+            resource.prlimit(d.pid, resource.RLIMIT_AS, (vm_bytes(d.pid) + (3 << 20), hard))
+            try:
+                cg.set_limit(sample["m_anon_shmem"] + sample["n_threads"] * sample["m_pin"] + (64 << 10))
+                names = d.wait_event("replan", session=sid)["demoted"].split(",")
+                assert sorted(names) == sorted(f"{k}{layer}" for layer, k in m.kv)
+                for name in names:
+                    d.wait_event("kpu_demotion_failed", session=sid, kpu=name)
+            finally:
+                resource.prlimit(d.pid, resource.RLIMIT_AS, (soft, hard))
+            cg.set_limit(512 << 20)                      # memory back
+            for name in names:
+                line = d.wait_line(f"event=kpu_demotion_failed session={sid} kpu={name} ")
+                assert "error='cannot map" in line and "staging memory" in line, line
+            # nothing moved: every KPU still on the page-cache path with every byte, writes still work
+            assert set(m.check().values()) == {"pagecache"}
+            (row,) = c.sessions()
+            assert (row["group1"], row["demoted_kpus"], row["demotions_failed"], row["pending_demotions"]) == \
+                (len(m.kv), 0, len(m.kv), 0)
+            assert row["extent"] is None                 # refused before any LBA was bound
+            assert pc_files(tmp) == {f"{k}{layer}" for layer, k in m.kv}
+            metrics = scrape(UnixHTTPConnection(os.path.join(tmp, "metrics.sock")))
+            assert metrics[("bladed_demotions_failed_total", ())] == len(m.kv)
+            assert metrics[("bladed_demoted_kpus_total", ())] == 0
+            assert m.more() == {"pagecache"}
+            m.check()
+
+            # the next re-plan carries the moves out
+            shrink(d, 0)
+            for name in names:
+                d.wait_event("kpu_demoted", session=sid, kpu=name)
+            assert set(m.check().values()) == {"direct"}
+            assert m.more() == {"direct"}
+            m.check()
+            assert c.stats()["replan"]["demoted_kpus"] == len(m.kv)
+            close_and_check_clean(d, c, [m], os.path.join(tmp, "kv-store.img"))

@@ -70,7 +70,7 @@ class ExtentDevice(abc.ABC):
         t.nsid = self.nsid
         t.lba_shift = self.lba_shift
         limit = self.max_transfer_bytes_huge if huge_pages else self.max_transfer_bytes
-        t.max_chunk_bytes = chunk_bytes(limit, self.lba_size)
+        t.max_chunk_bytes = chunk_bytes(limit, self.lba_size, kind=self.c_kind)
         t.max_discard_blocks = self.max_discard_blocks
         t.max_zeroes_blocks = self.max_zeroes_blocks
         t.timeout_ms = 0

@@ -18,6 +18,10 @@ class OutOfRangeError(BladedIOError, ValueError):
     """A request reaches past the end of the device or of the region."""
 
 
+class InvalidRequestError(BladedIOError, ValueError):
+    """The engine refused a request or a target before submitting anything (a bad shift, size or buffer)."""
+
+
 class ShortTransferError(BladedIOError):
     """The kernel moved fewer bytes than a command asked for."""
 

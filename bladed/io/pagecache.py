@@ -90,7 +90,7 @@ def _address(obj: Any, nbytes: int, offset: int, writable: bool) -> tuple[int, A
             raise ValueError(f"invalid buffer address {obj}")
         return obj + offset, None
     if isinstance(obj, StagingBuffer):
-        base, size, keep = obj.address, obj.nbytes, obj
+        base, size, keep = obj.address, obj.nbytes, obj.memory()  # the memory itself: outlives a close()
     else:
         cbuf = ffi.from_buffer(obj, require_writable=writable)
         base, size, keep = int(ffi.cast("uintptr_t", cbuf)), len(cbuf), cbuf

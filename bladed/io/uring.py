@@ -18,8 +18,11 @@ from typing import Any
 
 from bladed._uring import ffi, lib
 from bladed.io.errors import (
+    AlignmentError,
     BladedIOError,
+    InvalidRequestError,
     NVMeStatusError,
+    OutOfRangeError,
     ShortTransferError,
     errno_error,
 )
@@ -47,12 +50,47 @@ class HugePages(enum.Enum):
     HUGETLB = 2   # MAP_HUGETLB: guaranteed 2 MiB pages
 
 
+def _flat(obj: Any) -> memoryview:
+    """A 1-D writable byte memoryview over ``obj`` that keeps it alive (and, if it can resize, pinned).
+
+    Never a cffi object holding a buffer export *of a memoryview*: when such a
+    pair ends up in cyclic garbage, the collector may clear the exported
+    memoryview first, and releasing the export afterwards crashes CPython
+    (``memory_clear`` drops the view's managed buffer). A memoryview is sliced
+    instead (its slices share its buffer); other exporters go through
+    ``ffi.from_buffer``, which is safe to clear in any order.
+    """
+    if isinstance(obj, memoryview):
+        if obj.readonly:
+            raise TypeError("the buffer is read-only; I/O needs writable memory")
+        if not obj.c_contiguous:
+            raise ValueError("the buffer is not contiguous; I/O needs one contiguous range")
+        # our own view of the same buffer: the caller may release() theirs
+        return obj[:] if obj.ndim == 1 and obj.format == "B" else obj.cast("B")
+    return memoryview(ffi.buffer(ffi.from_buffer(obj, require_writable=True)))
+
+
+def _address_of(flat: memoryview) -> int:
+    with ffi.from_buffer(flat) as c:            # released on the spot: see _flat
+        return int(ffi.cast("uintptr_t", c))
+
+
 def buffer_address(obj: Any) -> tuple[int, int, Any]:
-    """(address, length, keep-alive) of a writable buffer-protocol object."""
+    """(address, length, keep-alive) of a StagingBuffer or a writable buffer-protocol object.
+
+    The keep-alive holds the memory itself, so a transfer in flight keeps its
+    buffer mapped even if the StagingBuffer is closed meanwhile.
+    """
     if isinstance(obj, StagingBuffer):
-        return obj.address, obj.nbytes, obj
-    cbuf = ffi.from_buffer(obj, require_writable=True)
-    return int(ffi.cast("uintptr_t", cbuf)), len(cbuf), cbuf
+        return obj.address, obj.nbytes, obj.memory()
+    flat = _flat(obj)
+    return _address_of(flat), len(flat), flat
+
+
+def _unmapper(nbytes: int) -> Any:
+    def unmap(ptr: Any) -> None:
+        lib.bd_staging_free(ptr, nbytes)
+    return unmap
 
 
 class StagingBuffer:
@@ -61,6 +99,13 @@ class StagingBuffer:
     Either owned (allocated here with ``bd_staging_alloc``) or a view of
     memory owned by someone else (``StagingBuffer.wrap``: e.g. a client's
     memfd mapped by the daemon).
+
+    The buffer holds one memoryview of its whole memory until :meth:`close`;
+    every :meth:`view` is a slice of it, and transfers in flight and rings it
+    is registered with hold it too. Owned memory is unmapped (wrapped memory
+    released) when the last of those lets go, so a view taken before
+    ``close()`` stays valid (never a dangling pointer); after ``close()`` the
+    buffer itself refuses new views and addresses with ``ValueError``.
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -71,38 +116,47 @@ class StagingBuffer:
         ptr = lib.bd_staging_alloc(size, how)
         if ptr == ffi.NULL:
             raise MemoryError(f"cannot map {size} bytes of staging memory")
-        self._ptr: Any = ptr
-        self._owner: Any = None
+        # the cffi buffer references the ffi.gc pointer: munmap when the last view goes
+        self._whole: memoryview | None = memoryview(ffi.buffer(ffi.gc(ptr, _unmapper(size), size), size))
+        self._address = int(ffi.cast("uintptr_t", ptr))
         self.nbytes = size
-        self.address = int(ffi.cast("uintptr_t", ptr))
         self.huge = HugePages(how[0])
 
     @classmethod
     def wrap(cls, obj: Any) -> StagingBuffer:
-        """A StagingBuffer over existing writable memory (not freed by us)."""
+        """A StagingBuffer over existing writable memory (never freed by us; its views keep ``obj`` alive)."""
         self = cls.__new__(cls)
-        cbuf = ffi.from_buffer(obj, require_writable=True)
-        self._ptr = None
-        self._owner = cbuf
-        self.nbytes = len(cbuf)
-        self.address = int(ffi.cast("uintptr_t", cbuf))
+        self._whole = _flat(obj)
+        self._address = _address_of(self._whole)
+        self.nbytes = len(self._whole)
         self.huge = HugePages.NONE
         return self
 
+    def memory(self) -> memoryview:
+        """The memoryview of the whole buffer: whoever holds it (or a slice of it) keeps the memory mapped."""
+        whole = self._whole
+        if whole is None:
+            raise ValueError(f"staging buffer of {self.nbytes} bytes is closed; take views and addresses "
+                             f"before close() (those taken earlier stay valid)")
+        return whole
+
+    @property
+    def address(self) -> int:
+        """Start address of the memory (ValueError once closed)."""
+        self.memory()
+        return self._address
+
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
-        """A writable memoryview of ``[offset, offset + nbytes)``."""
+        """A writable memoryview of ``[offset, offset + nbytes)`` that keeps the memory alive."""
+        whole = self.memory()
         n = self.nbytes - offset if nbytes is None else nbytes
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise ValueError(f"view [{offset}, {offset + n}) outside a {self.nbytes}-byte buffer")
-        return memoryview(ffi.buffer(ffi.cast("char *", self.address + offset), n))
+        return whole[offset:offset + n]
 
     def close(self) -> None:
-        """Unmap owned memory; idempotent."""
-        if self._ptr is not None:
-            lib.bd_staging_free(self._ptr, self.nbytes)
-            self._ptr = None
-        self._owner = None
-        self.address = 0
+        """Let go of the memory; owned memory is unmapped once no view or transfer holds it. Idempotent."""
+        self._whole = None
 
     def __enter__(self) -> StagingBuffer:
         return self
@@ -110,9 +164,44 @@ class StagingBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - safety net
-        if getattr(self, "_ptr", None) is not None:
-            self.close()
+
+def request_error(why: int, target: Any, op: int, slba: int, nbytes: int, what: str, *,
+                  address: int = 0, offset: int = 0) -> BladedIOError:
+    """The exception for a request the C engine refused (``why``: its enum bd_bad)."""
+    err = errno.EOVERFLOW if why in (lib.BD_BAD_LBA_RANGE, lib.BD_BAD_BUFFER_RANGE) else errno.EINVAL
+    if why == lib.BD_BAD_TARGET:
+        kind = "none" if target == ffi.NULL else str(int(target.kind))
+        return InvalidRequestError(err, f"{what}: target kind {kind} is not file (0), block (1) or nvme (2)")
+    if why == lib.BD_BAD_OP:
+        return InvalidRequestError(err, f"{what}: op {op} is not read (0), write (1), discard (2) or "
+                                        f"write zeroes (3)")
+    shift = int(target.lba_shift)
+    if why == lib.BD_BAD_LBA_SHIFT:
+        return InvalidRequestError(err, f"{what}: lba_shift {shift} is outside {lib.BD_LBA_SHIFT_MIN}.."
+                                        f"{lib.BD_LBA_SHIFT_MAX} (LBA sizes 512 B to 64 KiB); set it to "
+                                        f"log2 of the device's LBA size")
+    lba = 1 << shift
+    if why == lib.BD_BAD_CHUNK:
+        return InvalidRequestError(err, f"{what}: per-command limit max_chunk_bytes={int(target.max_chunk_bytes)} "
+                                        f"is smaller than one {lba}-byte LBA; it must be at least {lba}")
+    if why == lib.BD_BAD_LENGTH:
+        return AlignmentError(err, f"{what}: length {nbytes} is not a multiple of the {lba}-byte LBA; "
+                                   f"round it to whole LBAs")
+    if why == lib.BD_BAD_LBA_RANGE:
+        if int(target.kind) == lib.BD_KIND_NVME:
+            space = "the 64-bit LBA space (slba + LBAs must be at most 2^64 - 1)"
+        else:
+            space = f"63-bit byte offsets (with {lba}-byte LBAs, slba + LBAs must be at most {(2**63 - 1) >> shift})"
+        return OutOfRangeError(err, f"{what}: a range of {nbytes >> shift} LBAs from LBA {slba} ends past {space}")
+    if why == lib.BD_BAD_BUFFER:
+        return InvalidRequestError(err, f"{what}: the buffer address is NULL; pass a StagingBuffer or a "
+                                        f"writable buffer")
+    if why == lib.BD_BAD_BUFFER_RANGE:
+        return InvalidRequestError(err, f"{what}: a buffer at 0x{address:x} of {nbytes} bytes would end past "
+                                        f"the top of the address space")
+    if why == lib.BD_BAD_OFFSET:
+        return InvalidRequestError(err, f"{what}: chunk offset {offset} is not an LBA multiple below {nbytes}")
+    return errno_error(err, f"{what} (refused, reason {why})")
 
 
 class Transfer:
@@ -163,6 +252,9 @@ class Transfer:
         if kind == lib.BD_OK:
             return None
         what = f"{self.op.name.lower()} of {self.nbytes} bytes at LBA {self.slba}{self.describe_target}"
+        if kind == lib.BD_ERR_INVALID:
+            return request_error(int(c.err_value), c.target, int(c.op), self.slba, self.nbytes, what,
+                                 address=int(ffi.cast("uintptr_t", c.buf)))
         if kind == lib.BD_ERR_NVME:
             return NVMeStatusError(int(c.err_value), int(c.err_slba), what)
         if kind == lib.BD_ERR_SHORT:
@@ -197,6 +289,7 @@ class Ring:
         self.queue_depth = queue_depth
         self.big_sqe = big_sqe
         self.registered_buffers = 0
+        self._registered_memory: list[Any] = []   # registered memory stays mapped while the kernel holds it
         self._pending: dict[Any, Transfer] = {}
         self._done = ffi.new("struct bd_xfer *[]", 256)
 
@@ -204,6 +297,7 @@ class Ring:
         """Register staging memory as fixed buffers; False (logged once) if the kernel refuses."""
         if not buffers:
             return False
+        memory = [b.memory() for b in buffers]
         addrs = ffi.new("void *[]", [ffi.cast("void *", b.address) for b in buffers])
         lens = ffi.new("uint64_t[]", [b.nbytes for b in buffers])
         ret = lib.bd_ring_register_buffers(self._ring, addrs, lens, len(buffers))
@@ -217,12 +311,16 @@ class Ring:
                 )
             return False
         self.registered_buffers = len(buffers)
+        self._registered_memory = memory
         return True
 
     def unregister_buffers(self) -> None:
         if self.registered_buffers:
-            lib.bd_ring_unregister_buffers(self._ring)
+            ret = lib.bd_ring_unregister_buffers(self._ring)
+            if ret < 0:
+                raise errno_error(-ret, "unregistering io_uring buffers (wait for the transfers in flight first)")
             self.registered_buffers = 0
+            self._registered_memory = []
 
     def submit(self, xfer: Transfer) -> None:
         """Queue a transfer; it starts as soon as the ring has room."""
@@ -230,8 +328,11 @@ class Ring:
         if self.registered_buffers and xfer.op in (Op.READ, Op.WRITE):
             c.buf_index = lib.bd_ring_buffer_index(self._ring, c.buf, c.nbytes)
         ret = lib.bd_enqueue(self._ring, c)
+        if ret == -errno.EBUSY:
+            raise BladedIOError(errno.EBUSY, f"{xfer.op.name.lower()} of {xfer.nbytes} bytes at LBA {xfer.slba} "
+                                             f"is already queued; wait for it before submitting it again")
         if ret < 0:
-            raise errno_error(-ret, "queueing a transfer")
+            raise xfer.error() or errno_error(-ret, "queueing a transfer")
         self._pending[c] = xfer
 
     @property
@@ -273,6 +374,7 @@ class Ring:
                     self.wait(self.outstanding)
             lib.bd_ring_free(self._ring)
             self._ring = None
+            self._registered_memory = []
 
     def __enter__(self) -> Ring:
         return self

@@ -21,15 +21,24 @@ import numpy as np
 
 from bladed.io import BladedIOError, Engine, Op, StagingBuffer
 from bladed.protocol import ErrorCode, RequestError, error_reply, ok_reply
-from bladed.residency.planner import KPU, Path
+from bladed.residency.planner import KPU, Path, Plan
 
 if TYPE_CHECKING:
     from bladed.server.session import Session
 
 log = logging.getLogger(__name__)
 
-#: bounce buffer for sessions whose token rows are padded on the extent
+#: bounce buffer for sessions whose token rows are padded on the extent (at most this, at least one row)
 BOUNCE_BYTES = 1 << 20
+
+
+def bounce_bytes(plan: Plan) -> int:
+    """Size of one channel's bounce buffer: whole padded rows, up to BOUNCE_BYTES and one KPU's worth.
+
+    A request never spans more than one KPU, so more than ``max_tokens`` rows would never be used.
+    """
+    stride = plan.token_stride
+    return max(1, min(BOUNCE_BYTES // stride, plan.geometry.max_tokens)) * stride
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Channel:
         self.engine = engine
         self.slot = slot
         self.bounce = bounce
+        self._bounce_lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()
         self._max = max_outstanding
         self._abandon = threading.Event()
@@ -71,6 +81,24 @@ class Channel:
 
     def start(self) -> None:
         self._thread.start()
+
+    def ensure_bounce(self) -> StagingBuffer:
+        """This channel's bounce buffer for padded token rows, mapped now if it has none.
+
+        Sessions with unaligned rows get one per channel at open when some KPU is
+        on the direct path; otherwise a live demotion calls this for every channel
+        *before* it moves a KPU there (from whichever worker carries it out), so
+        the direct path never finds it missing.  Set once and never replaced: a
+        transfer running on this channel keeps its buffer.  Added after the
+        engine registered its buffers, it goes unregistered (plain, not fixed,
+        buffer I/O on every backend).  Raises MemoryError if it cannot be mapped.
+        """
+        with self._bounce_lock:
+            if self.bounce is None:
+                buf = StagingBuffer(bounce_bytes(self.session.plan))
+                self.session.bounces.append(buf)   # freed with the session's other buffers at close
+                self.bounce = buf
+            return self.bounce
 
     def submit(self, req: IORequest) -> None:
         """Queue a request (RequestError BUSY when the channel is backed up)."""
@@ -124,7 +152,7 @@ class Channel:
         # a pending live demotion of this KPU is carried out first (bladed.server.replan)
         live = self.session.live
         tid = req.kpu.tensor_id
-        req.kpu = live.begin(tid, self.engine)
+        req.kpu = live.begin(tid, self)
         try:
             body = self._serve(req)
         finally:
@@ -187,11 +215,11 @@ class Channel:
             return
         # Token rows are padded to the LBA on the extent (the §IV-B precondition
         # does not hold): move whole padded rows through the bounce buffer.
-        assert self.bounce is not None
+        buf = self.ensure_bounce()   # already there: mapped at open or before the demotion committed
         tb = geo.token_bytes
         stride = sess.plan.token_stride
-        rows = max(1, self.bounce.nbytes // stride)
-        bounce = np.frombuffer(self.bounce.view(), np.uint8)
+        rows = max(1, buf.nbytes // stride)
+        bounce = np.frombuffer(buf.view(), np.uint8)
         slot = np.frombuffer(self.slot.view(), np.uint8)
         t, end = req.token_start, req.token_start + req.ntokens
         while t < end:
@@ -203,8 +231,8 @@ class Channel:
             dense_rows = slot[t * tb:(t + k) * tb].reshape(k, tb)
             if op is Op.WRITE:
                 padded_rows[...] = dense_rows
-                self.engine.write(slba, self.bounce, nbytes=req_bytes)
+                self.engine.write(slba, buf, nbytes=req_bytes)
             else:
-                self.engine.read(slba, self.bounce, nbytes=req_bytes)
+                self.engine.read(slba, buf, nbytes=req_bytes)
                 dense_rows[...] = padded_rows
             t += k

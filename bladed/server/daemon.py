@@ -41,10 +41,13 @@ from bladed.protocol import (
     Frame,
     FrameError,
     FrameReader,
+    FrameTooLargeError,
     RequestError,
+    encode,
     error_reply,
     get_field,
     ok_reply,
+    request_id,
     send_frame,
 )
 from bladed.residency.extents import ExtentAllocator
@@ -129,12 +132,18 @@ def _refuse(sock: socket.socket, code: ErrorCode, why: str) -> None:
         sock.settimeout(1.0)
         frame = FrameReader(sock, 4096).read()
         frame.close_fds()
-        req_id = frame.body.get("id") if isinstance(frame.body.get("id"), int) else None
+        req_id = request_id(frame.body)
     except (OSError, ConnectionClosed, FrameError, BadBody):
         pass
     with contextlib.suppress(OSError, ValueError):
         send_frame(sock, error_reply(req_id, code, why))
     sock.close()
+
+
+def oversize_message(e: FrameTooLargeError) -> str:
+    """The error for a reply that does not fit a frame (docs/protocol.md, "Limits")."""
+    return (f"the reply would be {e.nbytes} bytes, over the {MAX_FRAME_BYTES}-byte frame limit (MAX_FRAME_BYTES; "
+            "see docs/protocol.md, 'Limits')")
 
 
 class Connection:
@@ -152,12 +161,21 @@ class Connection:
 
     # -- sending ------------------------------------------------------------------
     def send(self, body: dict[str, Any]) -> None:
-        """Send a reply; a peer that does not read (send timeout) or is gone loses its connection."""
+        """Send a reply; a peer that does not read (send timeout) or is gone loses its connection.
+
+        A reply too big for a frame (docs/protocol.md, "Limits") becomes an ``internal`` error for
+        that request: the peer keeps its connection.
+        """
         if self._dead:
             return
         try:
             with self._send_lock:
-                send_frame(self.sock, body)
+                try:
+                    send_frame(self.sock, body)
+                except FrameTooLargeError as e:
+                    log.error("connection of pid %d: reply to request %s not sent: %s", self.peer.pid,
+                              body.get("id"), e)
+                    send_frame(self.sock, error_reply(body.get("id"), ErrorCode.INTERNAL, oversize_message(e)))
         except (OSError, ValueError) as e:
             if not self._dead:
                 log.info("connection of pid %d: reply not delivered (%s); closing it", self.peer.pid, e)
@@ -222,17 +240,18 @@ class Connection:
     def _handle(self, frame: Frame) -> bool:
         """Dispatch one request; False closes the connection."""
         body = frame.body
-        req_id = body.get("id")
-        op = body.get("op")
+        req_id = request_id(body)  # echoed in the reply only when valid
+        op: Any = body.get("op")
         try:
-            if not isinstance(req_id, int) or isinstance(req_id, bool):
-                raise RequestError(ErrorCode.BAD_REQUEST, "every request needs an integer 'id'")
+            # a malformed request is not the first request: it gets bad_request, before or after hello
+            valid_id: int = get_field(body, "id", int)
+            op = get_field(body, "op", str)
             if not self.greeted:
                 if op != "hello":
                     self.send(error_reply(req_id, ErrorCode.HANDSHAKE_REQUIRED,
                                           f"the first request must be 'hello' (got {op!r})"))
                     return False
-                return self._hello(req_id, body)
+                return self._hello(valid_id, body)
             if op != "open_session" and frame.fds:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"'{op}' takes no file descriptors")
             if op in ("write", "read"):
@@ -245,7 +264,7 @@ class Connection:
             self.send(ok_reply(req_id, **handler(body, frame)))
         except RequestError as e:
             self.daemon.stats.add("bad_requests")
-            self.send(error_reply(req_id if isinstance(req_id, int) else None, e.code, e.message))
+            self.send(error_reply(req_id, e.code, e.message))
         except BladedIOError as e:
             self.send(error_reply(req_id, ErrorCode.IO_ERROR, str(e)))
         except Exception as e:
@@ -256,8 +275,8 @@ class Connection:
         return True
 
     def _hello(self, req_id: int, body: dict[str, Any]) -> bool:
-        proto = body.get("protocol")
-        if not isinstance(proto, int) or not MIN_PROTOCOL_VERSION <= proto <= PROTOCOL_VERSION:
+        proto = get_field(body, "protocol", int)  # a mistyped version is bad_request; the peer may try again
+        if not MIN_PROTOCOL_VERSION <= proto <= PROTOCOL_VERSION:
             self.send(error_reply(req_id, ErrorCode.INCOMPATIBLE_PROTOCOL,
                                   f"client speaks protocol {proto!r}; this bladed {__version__} speaks "
                                   f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION} (upgrade the client or the daemon)"))
@@ -289,10 +308,17 @@ class Connection:
                                                "connection; close one first")
         fds, frame.fds = frame.fds, []
         sess = self.daemon.manager.open(self.peer, body, fds)
+        out = sess.open_reply()
+        try:
+            encode(ok_reply(body["id"], **out))
+        except FrameTooLargeError as e:
+            # MAX_LAYERS is set so that this cannot happen; if it does, the client must not be left
+            # with a session it cannot name
+            log.error("open_session of pid %d: %s; closing session %s", self.peer.pid, e, sess.id)
+            self.daemon.manager.close(sess, "reply_too_large")
+            raise RequestError(ErrorCode.INTERNAL, oversize_message(e)) from None
         self.sessions[sess.id] = sess
-        plan = sess.plan.to_dict()
-        plan["budget"] = sess.budget
-        return {"session": sess.id, "plan": plan, "layout": sess.layout()}
+        return out
 
     def _op_close_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         sess = self._session(body)

@@ -185,7 +185,8 @@ class Collector:
         yield CounterMetricFamily("bladed_demoted_kpus", "KPUs moved live from the page-cache path to the "
                                                          "NVMe-direct path", value=replan.get("demoted_kpus", 0))
         yield CounterMetricFamily("bladed_demoted_bytes", "Bytes of those KPUs", value=replan.get("demoted_bytes", 0))
-        yield CounterMetricFamily("bladed_demotions_failed", "Demotions that could not be carried out (no space)",
+        yield CounterMetricFamily("bladed_demotions_failed",
+                                  "Demotions refused (no space, memory or I/O error; the KPU stays where it was)",
                                   value=replan.get("demotions_failed", 0))
         yield GaugeMetricFamily("bladed_lba_size_bytes", "LBA size of the KV region", value=live["lba_size"])
         budget = GaugeMetricFamily("bladed_budget_bytes", "Terms of Eq. 1-2 (bytes)", labels=["term"])

@@ -11,15 +11,22 @@ addresses it, or by a task queued on the session's channels right away,
 whichever comes first.  A demotion waits for the requests in flight on its KPU
 and holds back new ones until it is done.
 
-``dualblade``: bind the KPU after the last bound tensor of the extent (Eq. 3-6
-still hold), copy its filled token rows from the page-cache file to the extent
-through a daemon-side staging buffer, drop and unlink the file.
+``dualblade``: where token rows are padded on the extent, first give every
+channel the bounce buffer the direct path needs (a session that opened with
+every KPU in the page cache has none); bind the KPU after the last bound tensor
+of the extent (Eq. 3-6 still hold); copy its filled token rows from the
+page-cache file to the extent a bounded chunk at a time (through the bounce
+buffer, or one buffer of the same size for whole-LBA rows); drop and unlink the
+file.  If any step fails the move is refused: the KPU stays on the page-cache
+path with its bytes, ``demotions_failed`` counts it, and a later re-plan tries
+again.  Nothing is ever promoted back (growth goes to new sessions).
 ``cachepolicy``: switch the KPU to drop-after-use and drop its pages now.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import threading
@@ -28,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bladed.io import BladedIOError, Engine, StagingBuffer
+from bladed.io import BladedIOError, StagingBuffer
 from bladed.residency.budget import BudgetBreakdown, Budgeter
 from bladed.residency.extents import ExtentMap, RegionFullError
-from bladed.residency.geometry import align_up
 from bladed.residency.planner import KPU, Mode, Path, Plan, replan
+from bladed.server.channel import bounce_bytes
 from bladed.server.state import SessionRecord
 
 if TYPE_CHECKING:
@@ -95,10 +102,10 @@ class LiveState:
             return r.demoted
 
     # -- the operation boundary ----------------------------------------------------------
-    def begin(self, tensor_id: int, engine: Engine, *, serve: bool = True) -> KPU:
-        """Carry out a pending demotion of ``tensor_id`` first; with ``serve``, count an op in flight.
+    def begin(self, tensor_id: int, channel: Channel, *, serve: bool = True) -> KPU:
+        """Carry out a pending demotion of ``tensor_id`` first, on ``channel`` (the calling worker).
 
-        Returns the KPU as the session's plan now has it.
+        With ``serve``, count an op in flight.  Returns the KPU as the session's plan now has it.
         """
         with self._cond:
             while tensor_id in self._moving:
@@ -113,7 +120,7 @@ class LiveState:
                 self._cond.wait()
         try:
             if self.replanner is not None and not self.sess.closing:
-                self.replanner.carry_out(self.sess, new, engine)
+                self.replanner.carry_out(self.sess, new, channel)
         finally:
             with self._cond:
                 self._moving.discard(tensor_id)
@@ -124,7 +131,7 @@ class LiveState:
 
     def run_pending(self, tensor_id: int, channel: Channel) -> None:
         """The eager path: a task on a channel worker demotes the KPU if no request did it first."""
-        self.begin(tensor_id, channel.engine, serve=False)
+        self.begin(tensor_id, channel, serve=False)
 
     def end(self, tensor_id: int) -> None:
         with self._cond:
@@ -223,8 +230,8 @@ class LiveReplanner:
                     ch.post(functools.partial(sess.live.run_pending, k.tensor_id))
 
     # -- carrying one out ----------------------------------------------------------------------
-    def carry_out(self, sess: Session, kpu: KPU, engine: Engine) -> None:
-        """Demote one KPU (no request on it is in flight); on failure it stays where it is."""
+    def carry_out(self, sess: Session, kpu: KPU, channel: Channel) -> None:
+        """Demote one KPU on ``channel``'s worker (no request on it is in flight); on failure it stays where it is."""
         from bladed.server.session import event
 
         live = sess.live
@@ -232,11 +239,12 @@ class LiveReplanner:
         nbytes = 0
         try:
             if sess.plan.mode is Mode.DUALBLADE:
-                nbytes = self._move(sess, kpu, engine)
+                self._ready_channels(sess)
+                nbytes = self._move(sess, kpu, channel)
             else:
                 # CachePolicy-Only (Table III): the KPU stays on the page-cache path, dropped after use
                 sess.pc_files[kpu.tensor_id].drop()
-        except (OSError, BladedIOError, RegionFullError, ValueError) as e:
+        except (OSError, BladedIOError, RegionFullError, ValueError, MemoryError) as e:
             live.gave_up(kpu)
             with self._lock:
                 self.stats["demotions_failed"] += 1
@@ -253,11 +261,27 @@ class LiveReplanner:
         event("kpu_demoted", session=sess.id, kpu=kpu.name, path=kpu.path.value, bytes=nbytes,
               group1_bytes=sess.plan.group1_bytes)
 
+    @staticmethod
+    def _ready_channels(sess: Session) -> None:
+        """Give every channel what the direct path needs before a KPU moves there (MemoryError: refuse the move).
+
+        Padded rows (§IV-B precondition fails) go through a per-channel bounce buffer;
+        a session that opened with every KPU in the page cache has none yet.  Any
+        channel may serve the KPU next, so all of them get one, before anything
+        is written to the extent.
+        """
+        if not sess.plan.aligned:
+            for ch in sess.channels:
+                ch.ensure_bounce()
+
     def _room(self, sess: Session, kpu: KPU) -> tuple[int, int]:
         """Bind ``kpu`` on the session's extent: reserved room, else grow in place, else a first extent."""
         mgr = self.manager
         need = kpu.padded_bytes // sess.plan.lba_size
         with sess.live._room:
+            if kpu.tensor_id in sess.extent_map:
+                # bound by an earlier try whose copy failed: the same LBAs again
+                return sess.extent_map.lookup(kpu.tensor_id)
             ext = sess.extent
             if ext is None:
                 ext = mgr.allocator.allocate(need, owner=sess.id)
@@ -277,28 +301,40 @@ class LiveReplanner:
             id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=sess.plan.mode.value,
             extents=[(sess.extent.start, sess.extent.nblocks)], pagecache_dir=sess.pc_dir))
 
-    def _move(self, sess: Session, kpu: KPU, engine: Engine) -> int:
-        """Copy the filled rows file -> staging -> extent, then drop and unlink the file."""
-        geo, plan = sess.geometry, sess.plan
+    def _move(self, sess: Session, kpu: KPU, ch: Channel) -> int:
+        """Copy the filled rows file -> extent a bounded chunk at a time, then drop and unlink the file.
+
+        Demotions run when memory is short, so the move's own memory does not grow
+        with the KPU: padded rows go through the channel's bounce buffer (free: its
+        worker is busy with this move) plus a dense chunk of at most the same rows,
+        whole-LBA rows through one buffer of the same size (``bounce_bytes``).
+        """
+        plan = sess.plan
         tid = kpu.tensor_id
         f = sess.pc_files[tid]
-        slba, _ = self._room(sess, kpu)
         t = sess.live.filled.get(tid, 0)
-        tb, stride = geo.token_bytes, plan.token_stride
-        if t:
-            dense = t * tb
-            padded = t * stride
-            # one daemon-side buffer; the engine splits the write into device commands
-            extra = 0 if plan.aligned else dense
-            with StagingBuffer(align_up(padded + extra, max(4096, plan.lba_size))) as buf:
-                if plan.aligned:
-                    f.read_into(buf, 0, dense)
-                else:
-                    # rows are padded to the LBA on the extent (§IV-B precondition fails): one strided copy
-                    f.read_into(buf, 0, dense, dst_offset=padded)
-                    a = np.frombuffer(buf.view(), np.uint8)
-                    a[:padded].reshape(t, stride)[:, :tb] = a[padded:padded + dense].reshape(t, tb)
-                engine.write(slba, buf, nbytes=padded)
+        tb, stride = plan.geometry.token_bytes, plan.token_stride
+        with contextlib.ExitStack() as stack:
+            if not t:
+                buf = None
+            elif plan.aligned:
+                buf = stack.enter_context(StagingBuffer(min(t * tb, bounce_bytes(plan))))
+            else:
+                buf = ch.ensure_bounce()
+            slba, _ = self._room(sess, kpu)
+            if buf is not None:
+                rows = buf.nbytes // stride
+                padded = np.frombuffer(buf.view(), np.uint8)
+                dense = None if plan.aligned else np.empty(min(rows, t) * tb, np.uint8)
+                for r in range(0, t, rows):
+                    k = min(rows, t - r)
+                    if dense is None:
+                        f.read_into(buf, r * tb, k * tb)
+                    else:
+                        # rows are padded to the LBA on the extent (§IV-B precondition fails): one strided copy
+                        f.read_into(dense, r * tb, k * tb)
+                        padded[:k * stride].reshape(k, stride)[:, :tb] = dense[:k * tb].reshape(k, tb)
+                    ch.engine.write(slba + r * stride // plan.lba_size, buf, nbytes=k * stride)
         f.close(unlink=True)   # drops its clean pages; dirty ones go with the inode, never written back
         del sess.pc_files[tid]
         return t * tb

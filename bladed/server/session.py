@@ -33,7 +33,7 @@ from bladed.residency.budget import Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, ExtentMap, RegionFullError
 from bladed.residency.geometry import Geometry, align_up
 from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
-from bladed.server.channel import BOUNCE_BYTES, Channel, IORequest
+from bladed.server.channel import Channel, IORequest, bounce_bytes
 from bladed.server.integrity import Checksums
 from bladed.server.metrics import Stats
 from bladed.server.replan import LiveReplanner, LiveState
@@ -45,7 +45,9 @@ events = logging.getLogger("bladed.events")
 PAGE = 4096
 SESSION_DIR_PREFIX = "session-"
 GEOMETRY_FIELDS = ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens")
-MAX_LAYERS = 4096
+#: the open_session reply lists every KPU (2 per layer, at most 164 bytes each): 2048 layers keep the worst-case
+#: reply at about 714 KB, inside MAX_FRAME_BYTES (docs/protocol.md, "Limits")
+MAX_LAYERS = 2048
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,12 @@ class Session:
                 "extent": None if self.extent is None else {"start": self.extent.start,
                                                              "nblocks": self.extent.nblocks},
                 "registered": [e.registered for e in self.engines]}
+
+    def open_reply(self) -> dict[str, Any]:
+        """The fields of the ``open_session`` reply: session id, plan (with the budget sample) and layout."""
+        plan = self.plan.to_dict()
+        plan["budget"] = self.budget
+        return {"session": self.id, "plan": plan, "layout": self.layout()}
 
     def describe(self) -> dict[str, Any]:
         p = self.plan
@@ -196,16 +204,16 @@ class SessionManager:
     def _open(self, peer: Peer, body: dict[str, Any], fd: int) -> Session:
         cfg = self.cfg
         raw = get_field(body, "geometry", dict)
+        dims = {k: get_field(raw, k, int, minimum=1, maximum=MAX_LAYERS if k == "layers" else None,
+                             prefix="geometry.") for k in GEOMETRY_FIELDS}
         try:
-            geometry = Geometry(**{k: raw.get(k) for k in GEOMETRY_FIELDS})
+            geometry = Geometry(**dims)
         except (TypeError, ValueError) as e:
             raise RequestError(ErrorCode.BAD_REQUEST, f"bad geometry: {e}") from None
-        if geometry.layers > MAX_LAYERS:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"bad geometry: more than {MAX_LAYERS} layers")
         try:
             mode = Mode.parse(get_field(body, "mode", str, default="dualblade"))
         except ValueError as e:
-            raise RequestError(ErrorCode.BAD_REQUEST, str(e)) from None
+            raise RequestError(ErrorCode.BAD_REQUEST, f"field 'mode': {e}") from None
         channels = get_field(body, "channels", int, minimum=1, maximum=cfg.io.max_channels)
         staging_bytes = get_field(body, "staging_bytes", int, minimum=1)
         stride = align_up(geometry.kpu_bytes, self.staging_align)
@@ -311,7 +319,7 @@ class SessionManager:
             bufs = [sess.slots[ch]]
             bounce = None
             if unaligned:
-                bounce = StagingBuffer(align_up(max(BOUNCE_BYTES, plan.token_stride), plan.token_stride))
+                bounce = StagingBuffer(bounce_bytes(plan))
                 sess.bounces.append(bounce)
                 bufs.append(bounce)
             try:

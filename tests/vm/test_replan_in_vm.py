@@ -1,0 +1,93 @@
+"""Live demotion onto a real NVMe namespace (QEMU's controller, inside the NVMe VM): sessions that open
+with every KPU in the page cache -- whole-LBA rows and 256-byte rows padded on the namespace -- are
+demoted by a SIGHUP that lowers ``budget.override``, and every byte reads back on every channel, before
+and after more writes.  The padded session's bounce buffers are mapped at the demotion, after its
+channels' rings registered their buffers: they go by plain (unregistered) passthrough commands.
+
+One daemon start (under TCG every Python start-up costs seconds); the client runs in the pytest process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+
+import pytest
+from nvmevm import NG_PATH, VMConfig
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from daemon_util import DaemonProcess, short_tmpdir
+
+from bladed.client import Client, Session
+
+pytestmark = pytest.mark.nvme_vm
+
+TIMEOUT = 600.0
+GEOMETRIES = [
+    {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 24},  # 4096-byte rows
+    {"layers": 2, "batch": 1, "kv_heads": 1, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 40},  # 256-byte rows
+]
+
+
+def check(s: Session, want: dict[tuple[int, str], bytearray]) -> set[str]:
+    """Read every KPU whole on every channel, compare every byte; the paths served."""
+    paths = set()
+    for (layer, kind), data in want.items():
+        for ch in range(s.channels):
+            s.slot(ch)[:] = b"\xa5" * s.kpu_bytes
+            paths.add(s.read(layer, kind, ch).path)
+            assert bytes(s.slot(ch)) == data, f"{kind}{layer} on channel {ch}"
+    return paths
+
+
+def write(s: Session, want: dict[tuple[int, str], bytearray], rng: random.Random, start: int, n: int) -> set[str]:
+    paths = set()
+    tb = s.token_bytes
+    for i, (layer, kind) in enumerate(want):
+        data = rng.randbytes(n * tb)
+        ch = i % s.channels
+        s.slot(ch)[start * tb:(start + n) * tb] = data
+        paths.add(s.write(layer, kind, ch, start, n).path)
+        want[(layer, kind)][start * tb:(start + n) * tb] = data
+    return paths
+
+
+def test_demotion_onto_the_namespace_keeps_every_byte(vm_config: VMConfig) -> None:
+    lba = vm_config.lba_size
+    region_start = 8 * 4096 // lba
+    cfg = {"device": {"backend": "nvme", "path": NG_PATH, "region_start_lba": region_start,
+                      "region_blocks": (32 << 20) // lba, "lba_size": lba},
+           # two sessions demote at once: each reserves its room at open (docs/architecture.md, re-planning)
+           "budget": {"override": 1 << 30, "reserve_extent": True}}
+    rng = random.Random(f"replan-vm-{lba}")
+    with short_tmpdir() as tmp, DaemonProcess(tmp, cfg) as d:
+        d.start(timeout=TIMEOUT)
+        with Client(d.socket_path, timeout=TIMEOUT) as c:
+            sessions = []
+            for geo in GEOMETRIES:
+                s = c.open_session(geo, channels=2)
+                assert {k["path"] for k in s.plan["kpus"]} == {"pagecache"}
+                want = {(layer, kind): bytearray(s.kpu_bytes) for layer in range(geo["layers"]) for kind in "kv"}
+                assert write(s, want, rng, 0, s.max_tokens - 3) == {"pagecache"}
+                sessions.append((s, want))
+            assert [s.plan["aligned"] for s, _ in sessions] == [True, False]
+
+            d.config["budget"]["override"] = 0
+            d.write_config()
+            d.signal(signal.SIGHUP)
+            for s, want in sessions:
+                for layer, kind in want:
+                    d.wait_event("kpu_demoted", TIMEOUT, session=s.id, kpu=f"{kind}{layer}")
+            for s, want in sessions:
+                assert check(s, want) == {"direct"}
+                assert write(s, want, rng, s.max_tokens - 5, 5) == {"direct"}   # across the old fill mark
+                check(s, want)
+            assert c.stats()["replan"]["demotions_failed"] == 0
+            extents = {r["session"]: r["extent"] for r in c.sessions()}
+            for s, _ in sessions:
+                s.close()
+                closed = d.wait_event("session_close", TIMEOUT, session=s.id)
+                assert int(closed["trimmed_bytes"]) == extents[s.id]["nblocks"] * lba
+        assert d.stop(TIMEOUT) == 0
