@@ -31,13 +31,15 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from bladed import __version__
-from bladed.config import default_socket_path
+from bladed.config import SocketLocation, find_socket
+from bladed.datachannel import DataChannel
 from bladed.protocol import (
+    MIRROR,
     PROTOCOL_VERSION,
     BadBody,
     BadRequestError,
@@ -48,25 +50,29 @@ from bladed.protocol import (
     FrameReader,
     IncompatibleProtocolError,
     IntegrityError,
+    IOOp,
+    IORange,
     NoSpaceError,
     NoSuchSessionError,
     OutOfRangeError,
     PermissionDeniedError,
     ProtocolError,
     QuotaExceededError,
+    RangeResult,
     RemoteIOError,
     ShuttingDownError,
+    error_for,
     error_from_reply,
     hello_request,
     send_frame,
 )
+from bladed.residency.geometry import GEOMETRY_FIELDS, PAGE_SIZE, Geometry, align_up, tensor_id, tensor_of
 
 log = logging.getLogger(__name__)
 
 MODES = ("baseline", "cachepolicy", "direct", "dualblade")
 DTYPE_BYTES = {"float8": 1, "fp8": 1, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
                "float32": 4, "fp32": 4, "float": 4, "float64": 8, "fp64": 8}
-GEOMETRY_FIELDS = ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens")
 
 __all__ = [
     "BadRequestError",
@@ -101,9 +107,11 @@ class OpResult:
     nbytes: int
     service_ns: int         # measured by the daemon: first byte issued to last byte done
     hit_ratio: float | None  # page-cache reads: fraction of the bytes already cached
-    #: when the daemon's worker started and finished it (CLOCK_MONOTONIC ns of the host)
+    #: when the daemon started and finished it (CLOCK_MONOTONIC ns of the host)
     started_ns: int = 0
     finished_ns: int = 0
+    #: what failed (``submit(..., check=False)`` only); None when it was served
+    error: BladedError | None = None
 
 
 def geometry_dict(geometry: Any) -> dict[str, int]:
@@ -133,9 +141,11 @@ def geometry_dict(geometry: Any) -> dict[str, int]:
 class Client:
     """A connection to bladed.  Thread-safe: copy threads may share one client."""
 
-    def __init__(self, socket_path: str | None = None, *, timeout: float | None = 30.0,
+    def __init__(self, socket_path: str | SocketLocation | None = None, *, timeout: float | None = 30.0,
                  name: str = "bladed.client") -> None:
-        self.socket_path = socket_path or default_socket_path()
+        """Connect to ``socket_path``; None: where :func:`bladed.config.find_socket` says."""
+        where = socket_path if isinstance(socket_path, SocketLocation) else find_socket(socket_path)
+        self.socket_path = where.path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._timeout = timeout
         try:
@@ -143,18 +153,19 @@ class Client:
             self._sock.connect(self.socket_path)
         except FileNotFoundError:
             self._sock.close()
-            raise DaemonLostError(f"bladed is not running: no socket at {self.socket_path}") from None
+            raise DaemonLostError(f"no bladed socket at {where} ({where.why})") from None
         except ConnectionRefusedError:
             self._sock.close()
-            raise DaemonLostError(f"bladed is not running: {self.socket_path} refuses connections "
-                                  "(stale socket of a stopped daemon?)") from None
+            raise DaemonLostError(f"bladed is not running: {where} refuses connections, the stale socket of a "
+                                  f"stopped daemon ({where.why})") from None
         except PermissionError:
             self._sock.close()
-            raise PermissionDeniedError(f"no permission to connect to {self.socket_path} "
-                                        "(socket.group / socket.mode in the daemon's config)") from None
+            raise PermissionDeniedError(f"no permission to connect to {where} ({where.origin}): the daemon's "
+                                        f"socket.mode / socket.group must let uid {os.getuid()} in") from None
         except OSError as e:
             self._sock.close()
-            raise DaemonLostError(f"cannot connect to bladed at {self.socket_path}: {e}") from None
+            raise DaemonLostError(f"cannot connect to bladed at {where} ({where.origin}): "
+                                  f"{e.strerror or e}") from None
         self._reader = FrameReader(self._sock)
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -253,30 +264,36 @@ class Client:
 
     # -- sessions ----------------------------------------------------------------
     def open_session(self, geometry: Any, mode: str = "dualblade", channels: int = 2,
-                     staging_bytes: int | None = None, *, pin: bool | None = None,
+                     staging_bytes: int | None = None, *, slot_bytes: int | None = None, pin: bool | None = None,
                      checksums: bool | None = None) -> Session:
         """Open a session: the daemon plans it (Algorithm 1) and binds its extents (Eq. 3-6).
 
-        ``staging_bytes`` defaults to one KPU-sized slot per channel; ``pin``
-        (None = when torch with CUDA is already imported) registers the
-        staging mapping with ``cudaHostRegister``.  ``checksums`` (None = the
-        daemon's ``io.checksums``): the daemon keeps a crc32c of every token
-        row written and fails a read whose data differs with IntegrityError.
+        Each channel gets a staging slot of ``slot_bytes`` (default: one KPU,
+        which the default range layout mirrors; more lets one request carry
+        ranges of several KPUs at their own slot offsets); ``staging_bytes``
+        defaults to one slot per channel.  ``pin`` (None = when torch with CUDA
+        is already imported) registers the staging mapping with
+        ``cudaHostRegister``.  ``checksums`` (None = the daemon's
+        ``io.checksums``): the daemon keeps a crc32c of every token row written
+        and fails a read whose data differs with IntegrityError.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if channels < 1:
             raise ValueError(f"channels must be >= 1, got {channels}")
         geo = geometry_dict(geometry)
-        kpu_bytes = geo["batch"] * geo["kv_heads"] * geo["head_dim"] * geo["dtype_bytes"] * geo["max_tokens"]
-        align = int(self.server.get("staging_align", 4096))
-        stride = -(-kpu_bytes // align) * align
-        need = stride * channels
+        kpu_bytes = Geometry(**geo).kpu_bytes
+        slot = kpu_bytes if slot_bytes is None else slot_bytes
+        if slot < kpu_bytes:
+            raise ValueError(f"slot_bytes {slot} is less than one KPU ({kpu_bytes} bytes)")
+        align = int(self.server.get("staging_align", PAGE_SIZE))
+        need = align_up(slot, align) * channels
         if staging_bytes is None:
             staging_bytes = need
         if staging_bytes < need:
-            raise ValueError(f"staging_bytes {staging_bytes} is less than {channels} KPU-sized slots ({need} bytes)")
-        staging_bytes = -(-staging_bytes // align) * align
+            raise ValueError(f"staging_bytes {staging_bytes} is less than {channels} slots of {slot} bytes "
+                             f"({need} bytes)")
+        staging_bytes = align_up(staging_bytes, align)
         fd = os.memfd_create("bladed-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, staging_bytes)
@@ -286,7 +303,7 @@ class Client:
             try:
                 extra = {} if checksums is None else {"checksums": bool(checksums)}
                 reply = self.call("open_session", (fd,), geometry=geo, mode=mode, channels=channels,
-                                  staging_bytes=staging_bytes, **extra)
+                                  staging_bytes=staging_bytes, slot_bytes=slot, **extra)
             except BaseException:
                 mapping.close()
                 raise
@@ -338,7 +355,13 @@ def _strip(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 class Session:
-    """One model's KV cache in bladed: its plan, its staging slots and its I/O."""
+    """One model's KV cache in bladed: its plan, its staging slots and its I/O.
+
+    Each channel's I/O goes over a data connection of its own
+    (:class:`bladed.datachannel.DataChannel`, opened on first use): the copy
+    thread that owns channel ``ch`` sends its requests and reads the replies
+    itself.  :meth:`submit` sends a batch of ranges in one request.
+    """
 
     def __init__(self, client: Client, reply: dict[str, Any], mapping: mmap.mmap, pin: bool | None) -> None:
         self.client = client
@@ -349,10 +372,14 @@ class Session:
         self.token_bytes: int = int(layout["token_bytes"])
         self.kpu_bytes: int = int(layout["kpu_bytes"])
         self.max_tokens: int = int(layout["max_tokens"])
+        self.slot_bytes: int = int(layout["slot_bytes"])
         self.slot_stride: int = int(layout["slot_stride"])
+        self._attach_token: str = layout["attach_token"]
         self._mapping = mapping
         self._view = memoryview(mapping)
         self._closed = False
+        self._data: list[DataChannel | None] = [None] * self.channels
+        self._data_lock = threading.Lock()
         self.pinned = self._pin() if pin or (pin is None and _cuda_ready()) else False
 
     def _pin(self) -> bool:
@@ -369,13 +396,13 @@ class Session:
         return ok
 
     def slot(self, ch: int) -> memoryview:
-        """Channel ``ch``'s staging slot: one KPU, token ``t`` at ``t * token_bytes``."""
+        """Channel ``ch``'s staging slot (``slot_bytes``; by default one KPU, token ``t`` at ``t * token_bytes``)."""
         if not 0 <= ch < self.channels:
             raise IndexError(f"channel {ch} outside 0..{self.channels - 1}")
         if self._closed:
             raise ValueError("session is closed")
         start = ch * self.slot_stride
-        return self._view[start:start + self.kpu_bytes]
+        return self._view[start:start + self.slot_bytes]
 
     def kpu(self, layer: int, kind: str) -> dict[str, Any]:
         """The plan entry of one KPU (its group, path and size)."""
@@ -384,24 +411,73 @@ class Session:
                 return dict(k)
         raise KeyError(f"no KPU ({layer}, {kind!r}) in the plan")
 
-    def _io(self, op: str, layer: int, kind: str, ch: int, token_start: int,
-            ntokens: int | None) -> concurrent.futures.Future[OpResult]:
+    # -- I/O ---------------------------------------------------------------------------
+    def channel(self, ch: int) -> DataChannel:
+        """Channel ``ch``'s data connection (connected on first use)."""
         if self._closed:
             raise ValueError("session is closed")
-        raw = self.client.call_async(op, session=self.id, layer=layer, kind=kind, channel=ch,
-                                     token_start=token_start, ntokens=ntokens)
+        if not 0 <= ch < self.channels:
+            raise IndexError(f"channel {ch} outside 0..{self.channels - 1}")
+        dc = self._data[ch]
+        if dc is None:
+            with self._data_lock:
+                dc = self._data[ch]
+                if dc is None:
+                    dc = self._data[ch] = DataChannel(self.client.socket_path, self.id, ch, self._attach_token,
+                                                      self.client._timeout)
+        return dc
+
+    def range(self, op: str, layer: int, kind: str, token_start: int = 0, ntokens: int | None = None,
+              slot_offset: int | None = None) -> IORange:
+        """One range of a request: tokens of KPU (layer, kind) <-> the slot (at ``slot_offset``; default: mirrored)."""
+        if op not in ("read", "write"):
+            raise ValueError(f"op must be 'read' or 'write', got {op!r}")
+        n = self.max_tokens - token_start if ntokens is None else ntokens
+        return IORange(IOOp.WRITE if op == "write" else IOOp.READ, tensor_id(layer, kind), token_start, n,
+                       MIRROR if slot_offset is None else slot_offset)
+
+    def submit(self, ch: int, ranges: Sequence[IORange], *, check: bool = True) -> list[OpResult]:
+        """Run a batch of ranges in one request on channel ``ch``; one result per range, in order.
+
+        With ``check`` a failed range raises its error once all have run (a bad
+        range refuses the whole request before anything runs, in any case).
+        """
+        return self._results(ch, ranges, self.channel(ch).submit(ranges), check)
+
+    def _results(self, ch: int, ranges: Sequence[IORange], results: list[RangeResult], check: bool) -> list[OpResult]:
+        out = []
+        first: BladedError | None = None
+        for r, res in zip(ranges, results, strict=True):
+            layer, kind = tensor_of(r.tensor_id)
+            if res.error is not None:
+                if first is None:
+                    first = error_for(res.error, res.message)
+                out.append(OpResult(op=r.op.name.lower(), layer=layer, kind=kind, channel=ch, path=res.path or "",
+                                    nbytes=0, service_ns=0, hit_ratio=None, error=error_for(res.error, res.message)))
+                continue
+            hit = None if res.hit_bytes is None or not res.nbytes else res.hit_bytes / res.nbytes
+            out.append(OpResult(op=r.op.name.lower(), layer=layer, kind=kind, channel=ch, path=res.path or "",
+                                nbytes=res.nbytes, service_ns=res.service_ns, hit_ratio=hit,
+                                started_ns=res.started_ns, finished_ns=res.finished_ns))
+        if check and first is not None:
+            raise first
+        return out
+
+    def _one_async(self, op: str, layer: int, kind: str, ch: int, token_start: int,
+                   ntokens: int | None) -> concurrent.futures.Future[OpResult]:
+        rng = [self.range(op, layer, kind, token_start, ntokens)]
+        raw = self.channel(ch).submit_async(rng)
         out: concurrent.futures.Future[OpResult] = concurrent.futures.Future()
 
-        def done(f: concurrent.futures.Future[dict[str, Any]]) -> None:
+        def done(f: concurrent.futures.Future[list[RangeResult]]) -> None:
             exc = f.exception()
             if exc is not None:
                 out.set_exception(exc)
                 return
-            r = f.result()
-            out.set_result(OpResult(op=op, layer=layer, kind=kind, channel=ch, path=r["path"],
-                                    nbytes=int(r["nbytes"]), service_ns=int(r["service_ns"]),
-                                    hit_ratio=r.get("hit_ratio"), started_ns=int(r.get("started_ns", 0)),
-                                    finished_ns=int(r.get("finished_ns", 0))))
+            try:
+                out.set_result(self._results(ch, rng, f.result(), True)[0])
+            except BladedError as e:
+                out.set_exception(e)
 
         raw.add_done_callback(done)
         return out
@@ -409,18 +485,20 @@ class Session:
     def write_async(self, layer: int, kind: str, ch: int, token_start: int = 0,
                     ntokens: int | None = None) -> concurrent.futures.Future[OpResult]:
         """Store tokens ``[token_start, token_start + ntokens)`` of KPU (layer, kind) from slot ``ch``."""
-        return self._io("write", layer, kind, ch, token_start, ntokens)
+        return self._one_async("write", layer, kind, ch, token_start, ntokens)
 
     def read_async(self, layer: int, kind: str, ch: int, token_start: int = 0,
                    ntokens: int | None = None) -> concurrent.futures.Future[OpResult]:
         """Load tokens of KPU (layer, kind) into slot ``ch`` at the same offsets."""
-        return self._io("read", layer, kind, ch, token_start, ntokens)
+        return self._one_async("read", layer, kind, ch, token_start, ntokens)
 
     def write(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> OpResult:
-        return self.write_async(layer, kind, ch, token_start, ntokens).result()
+        """Store tokens of KPU (layer, kind) from slot ``ch`` and wait (raises the BladedError on failure)."""
+        return self.submit(ch, [self.range("write", layer, kind, token_start, ntokens)])[0]
 
     def read(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> OpResult:
-        return self.read_async(layer, kind, ch, token_start, ntokens).result()
+        """Load tokens of KPU (layer, kind) into slot ``ch`` and wait (raises the BladedError on failure)."""
+        return self.submit(ch, [self.range("read", layer, kind, token_start, ntokens)])[0]
 
     def close(self) -> None:
         """Free the session's extents (TRIM) and page-cache files; unmap the staging memory."""
@@ -428,8 +506,11 @@ class Session:
             return
         self._closed = True
         self.client._sessions.pop(self.id, None)
+        for dc in self._data:
+            if dc is not None:
+                dc.close()
         try:
-            # no timeout: queued requests of the session complete first, then the TRIM
+            # no timeout: the requests in progress complete first, then the TRIM
             self.client.call_async("close_session", session=self.id).result()
         except (DaemonLostError, NoSuchSessionError):
             pass  # the daemon already tore it down

@@ -477,15 +477,68 @@ def region_of(cfg: Config, capacity_blocks: int) -> tuple[int, int]:
     return start, blocks
 
 
-def default_socket_path() -> str:
-    """Where a client looks for bladed: ``$BLADED_SOCKET``, else the socket of
-    ``/etc/bladed/bladed.toml`` if that exists, else the embedded default."""
+#: where the shipped configuration and the systemd unit put the socket
+SYSTEM_SOCKET = "/run/bladed/bladed.sock"
+
+
+@dataclass(frozen=True)
+class SocketLocation:
+    """Where a client looks for bladed, why there, and what to do when nothing listens there."""
+
+    path: str
+    #: where the path came from, e.g. ``from $BLADED_SOCKET``
+    origin: str
+    #: what to do if no bladed listens there
+    fix: str
+
+    def __str__(self) -> str:
+        return self.path
+
+    @property
+    def why(self) -> str:
+        """``origin; fix``, the parenthesis of every "no bladed socket" message."""
+        return f"{self.origin}; {self.fix}"
+
+
+def find_socket(explicit: str | None = None, *, config: str | None = None, given_as: str = "socket_path",
+                system_config: str = SYSTEM_CONFIG, cwd: str | None = None) -> SocketLocation:
+    """The socket a client connects to: the one rule of ``bladectl``, the client library, the
+    runner and ``bladed.hf`` (docs/configuration.md, "Where clients find the socket").
+
+    1. ``explicit`` (``--socket``, ``Client(socket_path=...)``; ``given_as`` names it);
+    2. ``socket.path`` of ``config`` (``bladectl -c``);
+    3. ``$BLADED_SOCKET``;
+    4. ``socket.path`` of ``system_config`` (``/etc/bladed/bladed.toml``), if it exists;
+    5. the embedded default's socket under ``cwd`` (``./var/bladed/bladed.sock``: a bladed
+       started there without options), if that socket exists;
+    6. :data:`SYSTEM_SOCKET`.
+
+    Raises ConfigError if ``config`` (or an existing ``system_config``) is invalid.
+    """
+    if explicit:
+        return SocketLocation(explicit, f"given as {given_as}",
+                              "start bladed there or give the path of its socket")
+    if config:
+        return SocketLocation(_config_socket(config), f"socket.path of {config}",
+                              f"start bladed with --config {config}")
     env = os.environ.get("BLADED_SOCKET")
     if env:
-        return env
-    if os.path.exists(SYSTEM_CONFIG):
-        try:
-            return load_config(SYSTEM_CONFIG).socket_path
-        except ConfigError:
-            pass
-    return load_config(None).socket_path
+        return SocketLocation(env, "from $BLADED_SOCKET",
+                              "start bladed there or point BLADED_SOCKET at its socket")
+    if os.path.exists(system_config):
+        return SocketLocation(_config_socket(system_config), f"socket.path of {system_config}",
+                              "start bladed (systemctl start bladed) or set BLADED_SOCKET")
+    here = os.path.abspath(cwd or os.getcwd())
+    embedded = os.path.join(here, EMBEDDED_STATE_DIR, SocketConfig.path)
+    if os.path.exists(embedded):
+        return SocketLocation(embedded, f"the embedded default of a bladed started in {here}",
+                              "start it there again (python -m bladed.server) or set BLADED_SOCKET")
+    return SocketLocation(SYSTEM_SOCKET, "the system default", "start bladed or set BLADED_SOCKET")
+
+
+def _config_socket(path: str) -> str:
+    try:
+        return load_config(path).socket_path
+    except OSError as e:  # FileNotFoundError is a ConfigError already
+        raise ConfigError([f"cannot read {path} ({e.strerror}) to find bladed's socket; "
+                           "set BLADED_SOCKET or give the socket path"], path) from None

@@ -271,7 +271,10 @@ class BladedCache(Cache):
     def open(cls, config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype = torch.float32,
              mode: str = "dualblade", socket_path: str | None = None, client: Any = None,
              channels: int = 2, **kw: Any) -> BladedCache:
-        """Open a bladed session sized for ``config`` and wrap it."""
+        """Open a bladed session sized for ``config`` and wrap it.
+
+        ``socket_path`` None: the socket :func:`bladed.config.find_socket` finds, as ``bladectl`` does.
+        """
         geo = geometry_for(config, batch_size, max_tokens, dtype)
         backend = BladedKV.open(geo, mode=mode, channels=channels, socket_path=socket_path, client=client)
         return cls(backend, dtype=dtype, copy_threads=channels, **kw)

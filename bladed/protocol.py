@@ -1,19 +1,26 @@
 """The wire format between ``bladed`` and its clients (see ``docs/protocol.md``).
 
 A connection is a Unix stream socket carrying *frames*.  Each frame is an
-8-byte header followed by a JSON object::
+8-byte header followed by a body::
 
     offset 0  2 bytes  magic b"BD"
-    offset 2  u8       frame format (FRAME_FORMAT = 1)
+    offset 2  u8       frame format: JSON_FORMAT (1) or IO_FORMAT (2)
     offset 3  u8       flags (0; reserved)
     offset 4  u32 LE   body length in bytes (at most MAX_FRAME_BYTES)
-    offset 8  ...      body: UTF-8 JSON object
+    offset 8  ...      body: a UTF-8 JSON object, or a binary I/O request/reply
 
 File descriptors (the client's staging memfd) ride along as ``SCM_RIGHTS``
 ancillary data on the first byte of the frame that needs them.  Every
 request carries an ``op`` and a client-chosen integer ``id``; every reply
 carries the same ``id`` and ``ok``.  The first request on a connection must
 be ``hello``, which fixes the protocol version.
+
+The *control* connection speaks JSON.  Each copy thread of a client has a
+*data* connection of its own for one channel of a session (``attach``); after
+the attach it carries only binary I/O frames: one request names many KPU
+token ranges (a batch), one reply answers each of them (:class:`IORange`,
+:class:`RangeResult`), and the daemon serves them on that connection's own
+thread, with no queue between.
 
 Shared by the server and the client; imports nothing from either.
 """
@@ -32,11 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: version of the request/reply vocabulary; bumped on any incompatible change
-PROTOCOL_VERSION = 1
+#: (2: data connections with binary batched I/O frames, ``attach``)
+PROTOCOL_VERSION = 2
 #: oldest client protocol this build still serves
-MIN_PROTOCOL_VERSION = 1
-#: version of the 8-byte frame header itself
-FRAME_FORMAT = 1
+MIN_PROTOCOL_VERSION = 2
+#: frame formats: the body is JSON, or a binary I/O request/reply (data connections)
+JSON_FORMAT = 1
+IO_FORMAT = 2
+FRAME_FORMAT = JSON_FORMAT
 MAGIC = b"BD"
 HEADER = struct.Struct("<2sBBI")
 #: largest body accepted in either direction; larger frames close the connection
@@ -47,9 +57,9 @@ MAX_FDS = 4
 INT_MIN = -(1 << 63)
 INT_MAX = (1 << 63) - 1
 
-#: the requests of protocol 1 (docs/protocol.md has one section per op)
+#: the JSON requests of protocol 2 (docs/protocol.md has one section per op)
 OPS = (
-    "hello", "open_session", "close_session", "write", "read",
+    "hello", "open_session", "close_session", "attach", "write", "read",
     "status", "sessions", "stats", "budget", "trim",
 )
 
@@ -171,6 +181,11 @@ _ERROR_CLASSES: dict[ErrorCode, type[BladedError]] = {
 }
 
 
+def error_for(code: ErrorCode, message: str) -> BladedError:
+    """The exception the client raises for ``code``."""
+    return _ERROR_CLASSES[code](message, code)
+
+
 def error_from_reply(reply: dict[str, Any]) -> BladedError:
     """The exception for a reply with ``ok: false``."""
     raw_err = reply.get("error")
@@ -181,7 +196,7 @@ def error_from_reply(reply: dict[str, Any]) -> BladedError:
         code = ErrorCode(raw)
     except ValueError:
         return BladedError(f"{message} [{raw}]")
-    return _ERROR_CLASSES[code](message, code)
+    return error_for(code, message)
 
 
 class RequestError(Exception):
@@ -283,8 +298,10 @@ class FrameReader:
         try:
             if magic != MAGIC:
                 raise FrameError(f"bad frame magic {magic!r} (not a bladed client?)")
-            if fmt != FRAME_FORMAT:
-                raise FrameError(f"frame format {fmt} not supported (this side speaks {FRAME_FORMAT})")
+            if fmt == IO_FORMAT:
+                raise FrameError("a binary I/O frame on a control connection (attach a data connection first)")
+            if fmt != JSON_FORMAT:
+                raise FrameError(f"frame format {fmt} not supported (this side speaks {JSON_FORMAT} and {IO_FORMAT})")
             if length > self.max_bytes:
                 raise FrameError(f"frame of {length} bytes exceeds the {self.max_bytes}-byte limit")
             raw = self._recv_exact(length, at_boundary=False)
@@ -305,6 +322,188 @@ class FrameReader:
 
 class BadBody(Exception):
     """A well-framed message whose body is not a JSON object (the stream is still in sync)."""
+
+
+# -- binary I/O frames (data connections) --------------------------------------
+class IOOp(enum.IntEnum):
+    """What one range of an I/O request does."""
+
+    WRITE = 1    # slot -> store
+    READ = 2     # store -> slot
+
+
+#: ``slot_offset`` for "where the KPU has it": ``token_start * token_bytes`` (the slot mirrors one KPU)
+MIRROR = (1 << 64) - 1
+#: request body: request id, number of ranges, flags (0)
+IO_REQUEST = struct.Struct("<QHH")
+#: one range: op, tensor id, first token, tokens, byte offset in the channel's staging slot
+IO_RANGE = struct.Struct("<BxxxIIIQ")
+#: reply body: request id, status (0: served, see ``RangeResult``; else 1 + error index: refused whole), ranges
+IO_REPLY = struct.Struct("<QBxH")
+#: one range's result: status (0 ok, else 1 + error index), path (0 none, 1 page cache, 2 direct),
+#: bytes, service ns, resident bytes of a page-cache read (``NO_HIT`` otherwise), started/finished ns
+IO_RESULT = struct.Struct("<BBxxxxxxQQQQQ")
+#: ``hit_bytes`` of a range that is not a page-cache read
+NO_HIT = (1 << 64) - 1
+#: most ranges in one request: a request and its reply (with messages) always fit a frame
+MAX_RANGES = 4096
+#: longest message carried per failed range in a binary reply
+MAX_RANGE_MESSAGE = 160
+_ERROR_INDEX = {code: i for i, code in enumerate(ErrorCode)}
+_ERROR_BY_INDEX = tuple(ErrorCode)
+_PATH_CODES = {None: 0, "pagecache": 1, "direct": 2}
+_PATH_NAMES = (None, "pagecache", "direct")
+_U16 = struct.Struct("<H")
+
+
+@dataclass(frozen=True, slots=True)
+class IORange:
+    """Tokens ``[token_start, token_start + ntokens)`` of tensor ``tensor_id`` <-> the channel's slot.
+
+    ``slot_offset`` is where the range's first token sits in the slot; the default
+    (``MIRROR``) puts token ``t`` at ``t * token_bytes``, as the KPU has it.
+    """
+
+    op: IOOp
+    tensor_id: int
+    token_start: int
+    ntokens: int
+    slot_offset: int = MIRROR
+
+
+@dataclass(slots=True)
+class RangeResult:
+    """What happened to one range of an I/O request."""
+
+    error: ErrorCode | None = None    # None: served
+    message: str = ""
+    path: str | None = None           # "pagecache" | "direct"
+    nbytes: int = 0
+    service_ns: int = 0
+    hit_bytes: int | None = None      # page-cache reads: bytes that were already resident
+    started_ns: int = 0
+    finished_ns: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _frame(fmt: int, body: bytes) -> bytes:
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameTooLargeError(len(body))
+    return HEADER.pack(MAGIC, fmt, 0, len(body)) + body
+
+
+def encode_io_request(req_id: int, ranges: Sequence[IORange]) -> bytes:
+    """A whole binary I/O request frame (header included)."""
+    if not 1 <= len(ranges) <= MAX_RANGES:
+        raise ValueError(f"an I/O request carries 1..{MAX_RANGES} ranges, got {len(ranges)}")
+    parts = [IO_REQUEST.pack(req_id, len(ranges), 0)]
+    parts += [IO_RANGE.pack(int(r.op), r.tensor_id, r.token_start, r.ntokens, r.slot_offset) for r in ranges]
+    return _frame(IO_FORMAT, b"".join(parts))
+
+
+def decode_io_request(body: bytes | memoryview) -> tuple[int, list[IORange]]:
+    """``(request id, ranges)`` of a binary I/O request body; RequestError(BAD_REQUEST) if malformed."""
+    if len(body) < IO_REQUEST.size:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"I/O request of {len(body)} bytes is shorter than its "
+                                                  f"{IO_REQUEST.size}-byte head")
+    req_id, n, flags = IO_REQUEST.unpack_from(body)
+    if flags:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"I/O request flags must be 0, got {flags:#x}")
+    if not 1 <= n <= MAX_RANGES:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"an I/O request carries 1..{MAX_RANGES} ranges, got {n}")
+    if len(body) != IO_REQUEST.size + n * IO_RANGE.size:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"I/O request of {n} ranges must be "
+                                                  f"{IO_REQUEST.size + n * IO_RANGE.size} bytes, got {len(body)}")
+    out = []
+    for i, (op, tid, t0, nt, so) in enumerate(IO_RANGE.iter_unpack(memoryview(body)[IO_REQUEST.size:])):
+        if op not in (1, 2):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"range {i}: op must be 1 (write) or 2 (read), got {op}")
+        out.append(IORange(IOOp(op), tid, t0, nt, so))
+    return req_id, out
+
+
+def encode_io_reply(req_id: int, results: Sequence[RangeResult]) -> bytes:
+    """A whole binary I/O reply frame: one result per range, then the messages of the failed ones."""
+    parts = [IO_REPLY.pack(req_id, 0, len(results))]
+    messages = []
+    for r in results:
+        status = 0 if r.error is None else 1 + _ERROR_INDEX[r.error]
+        parts.append(IO_RESULT.pack(status, _PATH_CODES[r.path], r.nbytes, r.service_ns,
+                                    NO_HIT if r.hit_bytes is None else r.hit_bytes, r.started_ns, r.finished_ns))
+        if status:
+            text = clip(r.message, MAX_RANGE_MESSAGE).encode()
+            messages.append(_U16.pack(len(text)) + text)
+    return _frame(IO_FORMAT, b"".join(parts + messages))
+
+
+def encode_io_refusal(req_id: int, code: ErrorCode, message: str) -> bytes:
+    """A reply refusing a whole I/O request (nothing of it was done)."""
+    text = clip(message).encode()
+    return _frame(IO_FORMAT, IO_REPLY.pack(req_id, 1 + _ERROR_INDEX[code], 0) + _U16.pack(len(text)) + text)
+
+
+def decode_io_reply(body: bytes | memoryview) -> tuple[int, ErrorCode | None, str, list[RangeResult]]:
+    """``(request id, refusal code or None, refusal message, results)`` of a binary I/O reply."""
+    try:
+        req_id, status, n = IO_REPLY.unpack_from(body)
+        pos = IO_REPLY.size
+        if status:
+            (length,) = _U16.unpack_from(body, pos)
+            text = bytes(body[pos + 2:pos + 2 + length]).decode()
+            return req_id, _ERROR_BY_INDEX[status - 1], text, []
+        results = []
+        for _ in range(n):
+            st, path, nbytes, ns, hit, t0, t1 = IO_RESULT.unpack_from(body, pos)
+            pos += IO_RESULT.size
+            results.append(RangeResult(None if st == 0 else _ERROR_BY_INDEX[st - 1], "", _PATH_NAMES[path],
+                                       nbytes, ns, None if hit == NO_HIT else hit, t0, t1))
+        for r in results:
+            if r.error is not None:
+                (length,) = _U16.unpack_from(body, pos)
+                r.message = bytes(body[pos + 2:pos + 2 + length]).decode()
+                pos += 2 + length
+    except (struct.error, IndexError, UnicodeDecodeError) as e:
+        raise FrameError(f"malformed I/O reply: {e}") from None
+    return req_id, None, "", results
+
+
+class FrameStream:
+    """Exact frame reads on a data connection: two ``recv_into`` calls per frame, no descriptors."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.max_bytes = max_bytes
+        self._head = bytearray(HEADER.size)
+        self._buf = bytearray(64 * 1024)
+
+    def _fill(self, view: memoryview, n: int, *, at_boundary: bool) -> None:
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:n], n - got, socket.MSG_WAITALL)
+            if k == 0:
+                if got == 0 and at_boundary:
+                    raise ConnectionClosed()
+                raise FrameError(f"connection closed in the middle of a frame ({got} of {n} bytes)")
+            got += k
+
+    def read(self) -> tuple[int, memoryview]:
+        """``(format, body)`` of the next frame; the body view is valid until the next read."""
+        self._fill(memoryview(self._head), HEADER.size, at_boundary=True)
+        magic, fmt, _flags, length = HEADER.unpack(self._head)
+        if magic != MAGIC:
+            raise FrameError(f"bad frame magic {bytes(magic)!r} (not a bladed peer?)")
+        if fmt not in (JSON_FORMAT, IO_FORMAT):
+            raise FrameError(f"frame format {fmt} not supported (this side speaks {JSON_FORMAT} and {IO_FORMAT})")
+        if length > self.max_bytes:
+            raise FrameError(f"frame of {length} bytes exceeds the {self.max_bytes}-byte limit")
+        if length > len(self._buf):
+            self._buf = bytearray(length)
+        view = memoryview(self._buf)[:length]
+        self._fill(view, length, at_boundary=False)
+        return fmt, view
 
 
 # -- request field checking ---------------------------------------------------

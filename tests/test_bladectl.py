@@ -1,29 +1,44 @@
-"""``bladectl`` against a running daemon (``--json`` parsed here), and the
-storage commands on files and loop devices."""
+"""``bladectl`` against a running daemon (``--json`` parsed here), the storage commands on files
+and loop devices, and what a user who gets something wrong sees: the real entry point, run as a
+subprocess (``bladectl_util``), exits with a documented status and says the cause and the fix in
+one line, or one JSON object with ``--json``."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 
+import click
 import pytest
+from bladectl_util import bladectl as run
+from bladectl_util import failure, one_line, one_object
 from click.testing import CliRunner, Result
 from daemon_util import ROOT, DaemonProcess, env_with_repo, short_tmpdir
 
-from bladed.cli.bladectl import cli
+from bladed.cli.bladectl import EXIT_STATUSES, cli
 from bladed.client import Client
 
 GEOMETRY = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 KPU = 8 * 4096
+MISSING_NS = "/dev/ng97n97"
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     with short_tmpdir() as tmp, DaemonProcess(tmp, {"budget": {"override": 2 * KPU}}).start() as d:
         yield d
+
+
+@pytest.fixture(scope="module")
+def nowhere() -> Iterator[str]:
+    """An empty working directory: no ./var/bladed/bladed.sock to find."""
+    with short_tmpdir() as tmp:
+        yield tmp
 
 
 def bladectl(*args: str, socket: str | None = None, input: str | None = None) -> Result:
@@ -79,18 +94,15 @@ def test_stats_watch_prints_one_json_object_per_refresh(daemon: DaemonProcess) -
     assert r.output.count("page-cache hit ratio") == 2 and "MB/s" in r.output
 
 
-def test_trim_only_without_sessions(daemon: DaemonProcess) -> None:
+def test_trim_only_without_sessions(daemon: DaemonProcess, nowhere: str) -> None:
     with Client(daemon.socket_path) as c, c.open_session(GEOMETRY, channels=1):
-        r = bladectl("trim", "--yes", socket=daemon.socket_path)
-        assert r.exit_code == 1 and "session(s) open" in r.output
-    assert bladectl("trim", socket=daemon.socket_path, input="n\n").exit_code == 1  # not confirmed
+        r = run("trim", "--yes", "--socket", daemon.socket_path, cwd=nowhere)
+        assert "session(s) open" in one_line(r, 1)
+    # not confirmed: the question went to stderr, stdout holds only the JSON failure
+    r = run("--json", "trim", "--socket", daemon.socket_path, cwd=nowhere, input="n\n")
+    assert "not confirmed" in failure(r, 1, "not_confirmed") and "TRIM the whole KV region" in r.stderr
     t = as_json(bladectl("trim", "--yes", "--json", socket=daemon.socket_path))
     assert t["trimmed_bytes"] == 64 << 20 and t["blocks"] == 16384
-
-
-def test_daemon_not_running_is_a_clear_error() -> None:
-    r = bladectl("status", "--json", socket="/tmp/no-such-bladed.sock")
-    assert r.exit_code == 1 and "bladed is not running" in r.output
 
 
 def test_ns_list_on_a_host_without_nvme() -> None:
@@ -99,15 +111,15 @@ def test_ns_list_on_a_host_without_nvme() -> None:
     assert "no NVMe controllers found" in bladectl("ns", "list").output
 
 
-def test_ns_check(store_dir: str) -> None:
+def test_ns_check_of_a_store_file(store_dir: str, nowhere: str) -> None:
     new = os.path.join(store_dir, "new.img")
     ok = as_json(bladectl("ns", "check", new, "--size", "16M", "--json"))
-    assert ok["usable"] and ok["backend"] == "file"
+    assert ok["ok"] and ok["usable"] and ok["backend"] == "file"
     assert {c["check"] for c in ok["checks"]} >= {"kernel", "io_uring enabled", "memlock", "O_DIRECT"}
-    bad = bladectl("ns", "check", new, "--json")  # no size: cannot be created
-    assert bad.exit_code == 1 and not json.loads(bad.output)["usable"]
-    missing = bladectl("ns", "check", "/dev/ng9n9", "--backend", "nvme")
-    assert missing.exit_code == 1 and "does not exist" in missing.output
+    no_size = failure(run("ns", "check", new, "--json", cwd=nowhere), 2, "no_size")
+    assert no_size == f"{new} does not exist; give --size to have it created (e.g. --size 64G)"
+    bad = failure(run("ns", "check", new, "--size", "12Q", "--json", cwd=nowhere), 2, "usage")
+    assert "--size" in bad and "'12Q'" in bad and "see `bladectl ns check --help`" in bad
 
 
 @pytest.mark.root
@@ -118,7 +130,9 @@ def test_ns_check_and_setup_on_a_loop_device(loop_device: str, store_dir: str) -
     assert by["LBA size"]["status"] == "warn" and by["LBA size"]["detail"].startswith("512 bytes")
     assert by["read"]["status"] == "ok" and by["discard"]["status"] == "ok"
     r = bladectl("ns", "check", loop_device, "--region-start", str(1 << 30), "--json")
-    assert r.exit_code == 1 and "past the end" in r.output
+    out = json.loads(r.output)
+    assert r.exit_code == 1 and not out["ok"] and out["error"]["code"] == "unusable"
+    assert "past the end" in out["error"]["message"]
 
     cfg = os.path.join(store_dir, "etc", "bladed.toml")
     out = as_json(bladectl("ns", "setup", loop_device, "--region-start", "2048", "--state-dir", store_dir,
@@ -138,6 +152,7 @@ def test_ns_setup_for_a_file_then_the_daemon_serves_it() -> None:
         r = bladectl("ns", "setup", os.path.join(tmp, "kv.img"), "--size", "32M", "--state-dir", tmp,
                      "--socket-path", "s.sock", "-o", cfg)
         assert r.exit_code == 0, r.output
+        assert f"`bladectl -c {cfg}`" in r.output  # how clients find this daemon
         proc = subprocess.Popen([sys.executable, "-m", "bladed.server", "--config", cfg], cwd=ROOT,
                                 env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -145,8 +160,189 @@ def test_ns_setup_for_a_file_then_the_daemon_serves_it() -> None:
             for line in proc.stdout:  # the daemon logs daemon_start once it is listening
                 if "event=daemon_start" in line:
                     break
-            st = as_json(bladectl("status", "--json", socket=os.path.join(tmp, "s.sock")))
+            st = one_object(run("-c", cfg, "status", "--json", cwd=tmp))
             assert st["device"]["path"] == os.path.join(tmp, "kv.img") and st["region"]["bytes"] == 32 << 20
         finally:
             proc.terminate()
             assert proc.wait(30) == 0
+
+
+# -- what the new user found (docs/operations.md, bladectl) -------------------------------------
+def test_global_options_go_before_or_after_the_command(daemon: DaemonProcess, nowhere: str) -> None:
+    """`bladectl status --socket X` and `bladectl --json status` were "No such option"."""
+    sock = daemon.socket_path
+    cfg = daemon.config_path  # its socket.path is relative to its state dir: given with --state-dir
+    for argv in (["status", "--socket", sock, "--json"], ["--json", "status", "--socket", sock],
+                 ["--socket", sock, "--json", "status"], ["--json", "--socket", sock, "status"]):
+        r = run(*argv, cwd=nowhere)
+        assert r.returncode == 0, (argv, r.stderr)
+        assert one_object(r)["pid"] == daemon.pid, argv
+    human = run("status", "--socket", sock, cwd=nowhere)
+    assert human.returncode == 0 and f"pid {daemon.pid}" in human.stdout
+    r = run("ns", "--json", "check", MISSING_NS, cwd=nowhere)  # a group's options too
+    assert "no such device" in failure(r, 2, "no_such_device")
+    # -c takes the socket from a config file, before or after the command
+    with open(os.path.join(nowhere, "c.toml"), "w") as f:
+        f.write(f'[socket]\npath = "{sock}"\n')
+    for argv in (["-c", "c.toml", "status", "--json"], ["status", "--config", "c.toml", "--json"]):
+        assert one_object(run(*argv, cwd=nowhere))["socket"] == sock, (argv, cfg)
+
+
+def test_every_json_failure_is_one_object_on_stdout(nowhere: str) -> None:
+    missing = os.path.join(nowhere, "none.sock")
+    msg = failure(run("--json", "status", "--socket", missing, cwd=nowhere), 3, "no_daemon")
+    assert msg == (f"no bladed socket at {missing} (given as --socket; start bladed there or give the path of "
+                   "its socket)")
+    assert failure(run("status", "--json", "--socket", missing, cwd=nowhere), 3, "no_daemon") == msg
+    bogus = failure(run("status", "--json", "--bogus", cwd=nowhere), 2, "usage")
+    assert bogus == "No such option '--bogus'; see `bladectl status --help`"
+    assert "No such command 'bogus'" in failure(run("--json", "bogus", cwd=nowhere), 2, "usage")
+    assert failure(run("--json", cwd=nowhere), 2, "usage") == "Missing command; see `bladectl --help`"
+    bad_cfg = failure(run("--json", "-c", "nope.toml", "status", cwd=nowhere), 2, "config")
+    assert bad_cfg == "-c nope.toml: config file nope.toml does not exist; give -c the config file bladed runs with"
+    for argv in (["--json", "status", "--socket", missing], ["status", "--json", "--bogus"]):
+        assert run(*argv, cwd=nowhere).stderr == ""  # nothing else, anywhere
+
+
+def test_a_failure_is_one_line_and_a_traceback_only_with_debug(nowhere: str) -> None:
+    missing = os.path.join(nowhere, "none.sock")
+    line = one_line(run("status", "--socket", missing, cwd=nowhere), 3)
+    assert line.startswith(f"no bladed socket at {missing} (given as --socket;")
+    debug = run("status", "--socket", missing, "--debug", cwd=nowhere)
+    assert debug.returncode == 3 and "Traceback" in debug.stderr and debug.stderr.rstrip().endswith(line)
+    bogus = one_line(run("status", "--bogus", cwd=nowhere), 2)
+    assert bogus == "No such option '--bogus'; see `bladectl status --help`"
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_help_shows_every_summary_whole_and_the_exit_statuses(nowhere: str) -> None:
+    """`bladectl --help` showed `budget  Every term of Eq.` (click cuts at the first period)."""
+    top = run("--help", cwd=nowhere)
+    assert top.returncode == 0
+    text = _words(top.stdout)
+    assert "budget Every term of the page-cache budget (Eq. 1-2) and what each session was granted." in text
+    groups: list[click.Group] = [cli]
+    while groups:
+        group = groups.pop()
+        shown = text if group is cli else _words(run(str(group.name), "--help", cwd=nowhere).stdout)
+        for name, cmd in group.commands.items():
+            assert cmd.short_help and f"{name} {cmd.short_help}" in shown, (group.name, name)
+            if isinstance(cmd, click.Group):
+                groups.append(cmd)
+    for status, meaning in EXIT_STATUSES:
+        assert f"{status} {meaning}" in text
+
+
+def test_bench_help_is_bladectls(nowhere: str) -> None:
+    """`bladectl bench --help` printed argparse usage named `bench_kv`."""
+    r = run("bench", "--help", cwd=nowhere)
+    assert r.returncode == 0 and r.stdout.startswith("usage: bladectl bench ") and "bench_kv" not in r.stdout
+    assert "{sweep,run,report}" in r.stdout
+    sub = run("bench", "run", "--help", cwd=nowhere)
+    assert sub.returncode == 0 and sub.stdout.startswith("usage: bladectl bench run ")
+
+
+def test_exit_statuses_are_documented() -> None:
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        doc = f.read()
+    table = doc[doc.index("| status | meaning |"):]
+    table = table[:table.index("\n\n")]
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.MULTILINE)}
+    assert documented == {status for status, _ in EXIT_STATUSES}
+
+
+def test_a_missing_dev_path_is_never_a_file_store(nowhere: str) -> None:
+    """`ns check /dev/ng0n1` (no such device) took the file backend; with --size it said "usable",
+    and `ns setup` wrote backend = "file", path = "/dev/ng0n1"."""
+    expected = f"no such device {MISSING_NS}; see `bladectl ns list`"
+    assert one_line(run("ns", "check", MISSING_NS, cwd=nowhere), 2) == expected
+    assert one_line(run("ns", "check", MISSING_NS, "--size", "1G", cwd=nowhere), 2) == expected
+    assert one_line(run("ns", "check", MISSING_NS, "--size", "1G", "--backend", "file", cwd=nowhere), 2) == expected
+    assert failure(run("ns", "check", MISSING_NS, "--json", cwd=nowhere), 2, "no_such_device") == expected
+    cfg = os.path.join(nowhere, "bladed.toml")
+    assert one_line(run("ns", "setup", MISSING_NS, "--size", "1G", "-o", cfg, cwd=nowhere), 2) == expected
+    assert not os.path.exists(cfg)
+    # nor is a plain file under /dev; a directory or a char device that is no namespace is no store
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
+        assert f"{f.name} is a plain file under /dev, not a device" in one_line(
+            run("ns", "check", f.name, "--size", "1G", cwd=nowhere), 2)
+    assert one_line(run("ns", "check", "/dev/shm", cwd=nowhere), 2).startswith("/dev/shm is a directory;")
+    assert "/dev/null is a character device but not an NVMe namespace (/dev/ngXnY)" in one_line(
+        run("ns", "check", "/dev/null", cwd=nowhere), 2)
+
+
+def _root_disk() -> str:
+    """The block device node the root filesystem is mounted from."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == "/":
+                name = os.path.basename(os.path.realpath(f"/sys/dev/block/{fields[2]}"))
+                return f"/dev/{name}"
+    raise AssertionError("no root mount in /proc/self/mountinfo")
+
+
+def test_the_mounted_root_disk_is_in_use(nowhere: str) -> None:
+    """`ns check /dev/vda` (the mounted root disk) said `[Errno 1] Operation not permitted`.
+    Read-only: bladectl decides from /proc/self/mountinfo before opening anything."""
+    disk = _root_disk()
+    assert os.path.exists(disk), disk
+    line = one_line(run("ns", "check", disk, cwd=nowhere), 1)
+    assert line.startswith(f"{disk} is in use: mounted at /") and "Errno" not in line
+    assert line.endswith("; give bladed a device nothing else uses (`bladectl ns list`)")
+    assert failure(run("--json", "ns", "check", disk, cwd=nowhere), 1, "in_use") == line
+    cfg = os.path.join(nowhere, "root.toml")
+    assert one_line(run("ns", "setup", disk, "-o", cfg, cwd=nowhere), 1) == line and not os.path.exists(cfg)
+    assert one_line(run("ns", "check", disk, "--backend", "file", cwd=nowhere), 2) == (
+        f"{disk} is a block device, not what --backend file uses; give --backend block (or leave --backend auto)")
+
+
+@pytest.mark.root
+def test_a_mounted_swapped_or_claimed_loop_device_is_in_use(store_dir: str, loop_device: str, nowhere: str) -> None:
+    mnt = os.path.join(store_dir, "mnt")
+    os.makedirs(mnt)
+    subprocess.run(["mkfs.ext4", "-q", "-F", loop_device], check=True)
+    subprocess.run(["mount", loop_device, mnt], check=True)
+    try:
+        assert one_line(run("ns", "check", loop_device, cwd=nowhere), 1).startswith(
+            f"{loop_device} is in use: mounted at {mnt};")
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+    subprocess.run(["mkswap", "-q", loop_device], check=True, capture_output=True)
+    subprocess.run(["swapon", loop_device], check=True)
+    try:
+        assert one_line(run("ns", "check", loop_device, cwd=nowhere), 1).startswith(
+            f"{loop_device} is in use: used as swap;")
+    finally:
+        subprocess.run(["swapoff", loop_device], check=True)
+    fd = os.open(loop_device, os.O_RDONLY | os.O_EXCL)  # what mkfs, a VM or another daemon does
+    try:
+        line = one_line(run("ns", "check", loop_device, cwd=nowhere), 1)
+        assert line.startswith(f"{loop_device} is in use: opened exclusively by pid {os.getpid()} ("), line
+    finally:
+        os.close(fd)
+    assert run("ns", "check", loop_device, cwd=nowhere).returncode == 0  # free again
+
+
+def test_the_store_of_a_live_daemon_is_in_use(daemon: DaemonProcess, nowhere: str) -> None:
+    """`ns check` of the store file a live daemon uses said "usable by bladed"."""
+    store = os.path.join(daemon.state_dir, "kv-store.img")
+    expected = (f"{store} is in use by bladed pid {daemon.pid} (socket {daemon.socket_path}); "
+                "stop that bladed first to set its store up again")
+    assert one_line(run("ns", "check", store, cwd=nowhere), 1) == expected
+    assert failure(run("ns", "check", store, "--json", cwd=nowhere), 1, "in_use") == expected
+    cfg = os.path.join(nowhere, "again.toml")
+    assert one_line(run("ns", "setup", store, "--size", "64M", "-o", cfg, cwd=nowhere), 1) == expected
+    assert not os.path.exists(cfg)
+
+
+@pytest.mark.root
+def test_the_block_store_of_a_live_daemon_is_in_use(loop_device: str, nowhere: str) -> None:
+    with short_tmpdir() as tmp, DaemonProcess(tmp, {"device": {"backend": "block", "path": loop_device,
+                                                               "size": 0}}).start() as d:
+        line = one_line(run("ns", "check", loop_device, cwd=nowhere), 1)
+        assert line == (f"{loop_device} is in use by bladed pid {d.pid} (socket {d.socket_path}); "
+                        "stop that bladed first to set its store up again")

@@ -121,7 +121,7 @@ def test_torch_tensors_over_the_shared_slot_on_cpu(daemon: DaemonProcess) -> Non
 
 def test_staging_size_is_checked(daemon: DaemonProcess) -> None:
     with Client(daemon.socket_path) as c:
-        with pytest.raises(ValueError, match="less than 2 KPU-sized slots"):
+        with pytest.raises(ValueError, match="less than 2 slots of"):
             c.open_session(GEO, channels=2, staging_bytes=KPU)
         with c.open_session(GEO, channels=1, staging_bytes=3 * KPU) as s:
             assert s.slot_stride == KPU
@@ -130,7 +130,7 @@ def test_staging_size_is_checked(daemon: DaemonProcess) -> None:
 
 
 def test_no_daemon_is_a_clear_error(tmp_path) -> None:
-    with pytest.raises(DaemonLostError, match="not running: no socket"):
+    with pytest.raises(DaemonLostError, match=r"^no bladed socket at .*none\.sock \(given as socket_path; "):
         Client(str(tmp_path / "none.sock"))
     stale = str(tmp_path / "stale.sock")
     s = socket.socket(socket.AF_UNIX)

@@ -13,10 +13,13 @@ import pytest
 from daemon_util import ROOT, env_with_repo, toml_text
 
 from bladed.config import (
+    EMBEDDED_STATE_DIR,
+    SYSTEM_SOCKET,
     Config,
     ConfigError,
+    SocketLocation,
     config_from_dict,
-    default_socket_path,
+    find_socket,
     load_config,
     parse_size,
     reload_changes,
@@ -128,12 +131,45 @@ def test_reload_splits_live_keys_from_restart_keys() -> None:
     assert sorted(restart) == ["device.size", "io.queue_depth"]
 
 
-def test_client_socket_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BLADED_SOCKET", "/run/x/y.sock")
-    assert default_socket_path() == "/run/x/y.sock"
-    monkeypatch.delenv("BLADED_SOCKET")
-    if not os.path.exists("/etc/bladed/bladed.toml"):
-        assert default_socket_path() == os.path.abspath("var/bladed/bladed.sock")
+def test_one_socket_rule_in_its_order(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_socket: --socket, -c, $BLADED_SOCKET, the system config, a bladed started here, /run/bladed;
+    each answer says where it came from (the parenthesis of every "no bladed socket" error)."""
+    monkeypatch.delenv("BLADED_SOCKET", raising=False)
+    system = tmp_path / "system.toml"   # stands in for /etc/bladed/bladed.toml
+    here = tmp_path / "here"
+    here.mkdir()
+
+    def find(explicit: str | None = None, **kw: str) -> SocketLocation:
+        return find_socket(explicit, system_config=str(system), cwd=str(here), **kw)
+
+    assert find() == SocketLocation(SYSTEM_SOCKET, "the system default", "start bladed or set BLADED_SOCKET")
+    assert find().why == "the system default; start bladed or set BLADED_SOCKET"
+    # what `python -m bladed.server` (no options) creates in its working directory
+    embedded = load_config(None, state_dir=str(here / EMBEDDED_STATE_DIR)).socket_path
+    os.makedirs(os.path.dirname(embedded))
+    open(embedded, "w").close()
+    assert find().path == embedded and find().origin == f"the embedded default of a bladed started in {here}"
+    system.write_text('[socket]\npath = "/run/sys/b.sock"\n')
+    assert find().path == "/run/sys/b.sock" and find().origin == f"socket.path of {system}"
+    monkeypatch.setenv("BLADED_SOCKET", "/run/env/b.sock")
+    assert (find().path, find().origin) == ("/run/env/b.sock", "from $BLADED_SOCKET")
+    cfg = tmp_path / "given.toml"
+    cfg.write_text('[daemon]\nstate_dir = "/srv/bladed"\n')
+    assert (find(config=str(cfg)).path, find(config=str(cfg)).origin) == ("/srv/bladed/bladed.sock",
+                                                                          f"socket.path of {cfg}")
+    given = find("/run/x.sock", config=str(cfg), given_as="--socket")
+    assert (given.path, given.origin) == ("/run/x.sock", "given as --socket")
+
+
+def test_an_invalid_config_is_an_error_not_a_fallback(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("BLADED_SOCKET", raising=False)
+    system = tmp_path / "system.toml"
+    system.write_text("[socket\n")
+    with pytest.raises(ConfigError, match="not valid TOML") as e:
+        find_socket(system_config=str(system), cwd=str(tmp_path))
+    assert e.value.source == str(system)
+    with pytest.raises(ConfigError, match="does not exist"):
+        find_socket(config=str(tmp_path / "missing.toml"), system_config=str(system))
 
 
 def check_config(tmp_path, sections: dict) -> subprocess.CompletedProcess[str]:

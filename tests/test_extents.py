@@ -312,16 +312,17 @@ def test_rejects_bad_indices(opt67: ExtentMap) -> None:
         opt67.translate(64, shape, (0, 0, 0), (1, 1024, 128), 2)
 
 
-def test_padded_rows_for_opt13b_odd_batch() -> None:
+def test_packed_rows_for_opt13b_odd_batch() -> None:
     g = Geometry.for_model("opt-13b", batch=1, max_tokens=100)       # 10 KiB rows on a 4 KiB LBA
     plan = plan_session(g, Mode.DIRECT, 0, 4096)
     m = ExtentMap(plan, Extent(2048, plan.extent_blocks))
     shape = (100, 40, 128)
-    assert m.lookup(0) == (2048, 300)                                # 100 rows x 3 blocks
-    assert m.translate(1, shape, (7, 0, 0), (1, 40, 128), 2) == (2048 + 300 + 21, 12 * KiB)
-    assert m.translate(1, shape, (0, 0, 0), (50, 40, 128), 2) == (2048 + 300, 50 * 12 * KiB)
-    with pytest.raises(TranslationError, match="padded"):
-        m.translate(1, (50, 80, 128), (0, 0, 0), (1, 80, 128), 2)
+    assert m.lookup(0) == (2048, 250)                                # 100 rows packed: 1000 KiB
+    assert m.lookup(1) == (2048 + 250, 250)
+    # Algorithm 2 maps what is whole LBAs: two rows from an even token
+    assert m.translate(1, shape, (6, 0, 0), (2, 40, 128), 2) == (2048 + 250 + 15, 20 * KiB)
+    with pytest.raises(MisalignedRequestError):                      # one row from token 7: edges inside LBAs
+        m.translate(1, shape, (7, 0, 0), (1, 40, 128), 2)
 
 
 # -- real I/O through the engine ----------------------------------------------------------------

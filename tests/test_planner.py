@@ -143,23 +143,34 @@ def test_worked_example_plan() -> None:
 
 # -- alignment precondition and padding ----------------------------------------------------------
 
-def test_opt13b_odd_batch_is_padded_even_batch_is_not() -> None:
+def test_opt13b_odd_batch_packs_rows_even_batch_is_aligned() -> None:
     odd = plan_session(Geometry.for_model("opt-13b", batch=1, max_tokens=100), Mode.DIRECT, 0, 4096)
-    assert not odd.aligned and odd.token_stride == 12 * KiB          # 10 KiB rows padded to 3 blocks
-    assert odd.padding_bytes == 80 * (2 * KiB * 100)                  # 80 KPUs x 100 rows x 2 KiB
-    assert all(k.padded_bytes == 12 * KiB * 100 and k.nbytes == 10 * KiB * 100 for k in odd.kpus)
+    assert not odd.aligned                                            # 10 KiB rows on 4 KiB LBAs
+    assert odd.padding_bytes == 0                                     # 100 rows x 10 KiB = 250 whole LBAs
+    assert all(k.padded_bytes == k.nbytes == 10 * KiB * 100 for k in odd.kpus)
     even = plan_session(Geometry.for_model("opt-13b", batch=2, max_tokens=100), Mode.DIRECT, 0, 4096)
     assert even.aligned and even.padding_bytes == 0                  # the paper's "pick an even B"
     small_lba = plan_session(Geometry.for_model("opt-13b", batch=1, max_tokens=100), Mode.DIRECT, 0, 512)
     assert small_lba.aligned                                          # 10 KiB is 20 x 512 B
 
 
+def test_smollm2_rows_are_packed_within_one_lba_of_their_bytes() -> None:
+    """768-byte token rows (SmolLM2: 3 KV heads x 64 x fp32) on 4 KiB LBAs: 5.3x padded per row before."""
+    g = Geometry(layers=30, batch=1, kv_heads=3, head_dim=64, dtype_bytes=4, max_tokens=301)
+    p = plan_session(g, Mode.DIRECT, 0, 4096)
+    assert not p.aligned and g.token_bytes == 768
+    assert all(k.padded_bytes == 57 * 4096 for k in p.kpus)          # ceil(301 * 768 / 4096) = 57 blocks
+    assert p.padding_bytes == 60 * (57 * 4096 - 301 * 768)
+
+
 @given(g=geometries, lba=lba_sizes)
-def test_padding_makes_every_token_row_block_aligned(g: Geometry, lba: int) -> None:
+def test_packed_kpus_take_their_bytes_rounded_up_to_one_lba(g: Geometry, lba: int) -> None:
     p = plan_session(g, Mode.DIRECT, 0, lba)
-    assert p.token_stride % lba == 0 and 0 <= p.token_stride - g.token_bytes < lba
     assert p.aligned == (g.token_bytes % lba == 0)
-    assert p.padding_bytes == 2 * g.layers * (p.token_stride - g.token_bytes) * g.max_tokens
+    for k in p.kpus:
+        assert k.padded_bytes % lba == 0 and 0 <= k.padded_bytes - k.nbytes < lba
+    assert p.padding_bytes == sum(k.padded_bytes - k.nbytes for k in p.kpus)
+    assert p.extent_blocks * lba == p.direct_bytes
     # page-cache files are never padded: padding only applies on the extent
     dual = plan_session(g, Mode.BASELINE, 0, lba)
     assert dual.padding_bytes == 0

@@ -1,7 +1,7 @@
 """Live re-planning with a real daemon: when ``B_pc`` shrinks (the operator
 lowers ``budget.override`` and sends SIGHUP, or cuts the limit of the daemon's
 memory cgroup), live sessions demote whole KPUs at an operation boundary;
-bytes stay identical, for whole-LBA and padded token rows, on the file store
+bytes stay identical, for whole-LBA and packed (not whole-LBA) token rows, on the file store
 and a loop device; demoted files go, the journal follows the extent and
 closing TRIMs all of it.  A demotion without memory for its buffers is
 refused, counted, and carried out by a later re-plan.
@@ -32,7 +32,7 @@ from bladed.residency.geometry import align_up
 #: token = 4096 bytes (aligned); 4 layers -> 8 KPUs of 32 tokens
 ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
 KPU = 32 * 4096
-#: token = 768 bytes: rows are padded to 4096 on the extent
+#: token = 768 bytes: rows are packed on the extent, 16 in 3 LBAs
 UNALIGNED = {"layers": 3, "batch": 1, "kv_heads": 3, "head_dim": 64, "dtype_bytes": 4, "max_tokens": 20}
 U_KPU = 20 * 768
 
@@ -113,14 +113,14 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         assert pc_files(tmp) == set()
 
 
-def test_reserved_extent_and_padded_rows(tmp: str) -> None:
+def test_reserved_extent_and_packed_rows(tmp: str) -> None:
     cfg = {"budget": {"override": 8 * 4096, "reserve_extent": True}}
     with DaemonProcess(tmp, cfg).start() as d, ClientProcess(d.socket_path) as c:
         c.call("connect")
         opened = c.call("open", geometry=UNALIGNED, channels=2)
         sid, ext = opened["session"], opened["extent"]
         assert not opened["plan"]["aligned"] and opened["plan"]["n1"] == 1
-        assert ext["nblocks"] == 6 * 20          # every KPU reserved: 20 padded rows of one LBA each
+        assert ext["nblocks"] == 6 * 4           # every KPU reserved: 20 packed 768-byte rows in 4 LBAs each
         assert c.call("write_all", seed=3)["paths"] == ["pagecache"] * 2 + ["direct"] * 4
         # v0 only partly filled: the demotion copies the filled rows
         c.call("write", layer=0, kind="v", token_start=0, ntokens=7, seed=4)
@@ -138,7 +138,7 @@ def test_reserved_extent_and_padded_rows(tmp: str) -> None:
         assert row["demoted_bytes"] == 2 * U_KPU
         assert journal_extents(tmp, sid) == [[ext["start"], ext["nblocks"]]]
         c.call("close")
-        assert int(d.wait_event("session_close", session=sid)["trimmed_bytes"]) == 6 * 20 * 4096
+        assert int(d.wait_event("session_close", session=sid)["trimmed_bytes"]) == 6 * 4 * 4096
 
 
 def test_cachepolicy_switches_to_drop_after_use_and_direct_never_changes(tmp: str) -> None:
@@ -169,9 +169,9 @@ def test_cachepolicy_switches_to_drop_after_use_and_direct_never_changes(tmp: st
 
 # -- every byte survives a real re-plan: both row kinds, both local backends ----------------------------
 #
-# Sessions open with every KPU on the page-cache path (B_pc is large), so a session with padded rows has
-# no bounce buffer yet; a real re-plan then moves its KPUs to the NVMe-direct path.  Every KPU is read
-# back whole on every channel (each channel has its own bounce buffer) before and after the move and
+# Sessions open with every KPU on the page-cache path (B_pc is large); a real re-plan then moves their
+# KPUs to the NVMe-direct path, where rows that are not whole LBAs are packed and their edge LBAs
+# completed by the daemon.  Every KPU is read back whole on every channel before and after the move and
 # after more writes, against a model of what was written; unwritten rows must read as zeroes.
 
 #: 256-byte rows: 16 to a 4 KiB LBA, 2 to a 512-byte one (the protocol fuzzer's geometry, two layers)
@@ -289,8 +289,8 @@ def test_sighup_demotion_keeps_every_byte(tmp: str, device: tuple[dict[str, Any]
     with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
         lba = c.stats()["lba_size"]
         (m,) = open_models(c, [geometry])
-        stride = align_up(m.sess.token_bytes, lba)
-        assert m.sess.plan["token_stride"] == stride and m.sess.plan["aligned"] == (stride == m.sess.token_bytes)
+        assert m.sess.plan["aligned"] == (m.sess.token_bytes % lba == 0)
+        assert all(k["padded_bytes"] == align_up(m.sess.kpu_bytes, lba) for k in m.sess.plan["kpus"])
 
         shrink(d, 0)
         assert sorted(wait_demotions(d, m.sess.id)) == sorted(f"{k}{layer}" for layer, k in m.kv)
@@ -330,7 +330,7 @@ def test_cgroup_limit_cut_demotes_and_keeps_every_byte(tmp: str, device: tuple[d
             held = sum(k["nbytes"] for m in models for k in m.sess.plan["kpus"])
             sample = c.budget()["sample"]
             assert sample["b_pc"] > held and sample["cgroup"] == cg.path
-            # leave B_pc ~3 MiB: the two newest sessions (padded rows) give all their KPUs back, the
+            # leave B_pc ~3 MiB: the two newest sessions (packed rows) give all their KPUs back, the
             # oldest most of its; written-back file pages are what the kernel reclaims to fit the new limit
             os.sync()
             cut = sample["m_anon_shmem"] + sample["n_threads"] * sample["m_pin"] + (3 << 20)
@@ -359,21 +359,22 @@ def vm_bytes(pid: int) -> int:
 
 
 @pytest.mark.root
-def test_demotion_without_memory_for_bounce_buffers_is_refused_and_retried(tmp: str) -> None:
-    """No memory for the bounce buffers: the move is refused before anything moves, counted, and bytes stay."""
-    geo = dict(ROW256, max_tokens=512)           # 256 padded rows per bounce buffer: 1 MiB for each channel
+def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp: str) -> None:
+    """No memory for the copy: the move is refused before anything moves, counted, and bytes stay."""
+    geo = dict(ROW256, max_tokens=8192)          # 2 MiB KPUs: each move copies through a 1 MiB buffer
     with ChildCgroup(512 << 20) as cg:
-        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path}, "io": {"max_channels": 8},
+        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path},
                "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
         with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
             cg.add(d.pid)
-            (m,) = open_models(c, [geo], channels=8)
+            (m,) = open_models(c, [geo])
+            m.write(0, "v", 0, geo["max_tokens"], 0)     # every KPU full: every move needs a whole copy buffer
             sid = m.sess.id
             sample = c.budget()["sample"]
             os.sync()
-            # 3 MiB more address space for the daemon: less than the 8 bounce buffers need
+            # 512 KiB more address space for the daemon: less than one copy buffer
             soft, hard = resource.prlimit(d.pid, resource.RLIMIT_AS)
-            resource.prlimit(d.pid, resource.RLIMIT_AS, (vm_bytes(d.pid) + (3 << 20), hard))
+            resource.prlimit(d.pid, resource.RLIMIT_AS, (vm_bytes(d.pid) + (512 << 10), hard))
             try:
                 cg.set_limit(sample["m_anon_shmem"] + sample["n_threads"] * sample["m_pin"] + (64 << 10))
                 names = d.wait_event("replan", session=sid)["demoted"].split(",")

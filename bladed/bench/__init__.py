@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "bench_kv") -> int:
     from bladed.bench.cli import main as _main
 
-    return _main(argv)
+    return _main(argv, prog)
 
 
 __all__ = ["main"]

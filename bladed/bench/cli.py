@@ -145,8 +145,8 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="bench_kv", description="Reproduce the Dual-Blade evaluation (memory-limit "
+def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Reproduce the Dual-Blade evaluation (memory-limit "
                                  "sweeps, thrashing cliff, per-tensor latency, device utilisation, pipeline).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "bench_kv") -> int:
+    a = build_parser(prog).parse_args(argv)
     return int(a.fn(a))
 
 

@@ -373,9 +373,9 @@ class ExtentMap:
         ``shape_tgt = (d0, d1, d2)`` is the tensor's full shape (tokens first),
         ``index = (i0, j0, k0)`` the box's first element, ``shape_src = (f0, f1, f2)``
         its extent.  The box must be one contiguous byte range of the tensor
-        and start and end on block boundaries.  With padded token rows (see
-        :meth:`Geometry.token_stride`) a box of whole rows includes the padding,
-        so the staging buffer carries rows at ``plan.token_stride`` pitch.
+        and start and end on block boundaries (always true for whole token
+        rows when the §IV-B precondition holds; the extent store completes the
+        edge LBAs of other ranges itself).
         """
         d0, d1, d2 = _as_triple("shape_tgt", shape_tgt)
         i0, j0, k0 = _as_triple("index", index)
@@ -387,16 +387,7 @@ class ExtentMap:
             raise TranslationError(f"shapes must be positive: target {shape_tgt!r}, source {shape_src!r}")
         lba_start, nblocks = self.lookup(tensor_id)
         kpu = self._kpus[tensor_id]
-        geo = self.plan.geometry
-        stride = self.plan.token_stride or geo.token_bytes
-        padded = stride != geo.token_bytes
-        if padded:
-            if d0 != geo.max_tokens or d1 * d2 * e != geo.token_bytes or stride % e:
-                raise TranslationError(
-                    f"tensor {tensor_id} has padded token rows ({geo.token_bytes} + "
-                    f"{stride - geo.token_bytes} bytes): the target shape must be (tokens={geo.max_tokens}, ...) "
-                    f"with {geo.token_bytes} bytes per row, got {tuple(shape_tgt)} x {e} bytes")
-        elif d0 * d1 * d2 * e != kpu.nbytes:
+        if d0 * d1 * d2 * e != kpu.nbytes:
             raise TranslationError(f"target shape {tuple(shape_tgt)} x {e} bytes = {d0 * d1 * d2 * e} bytes, "
                                    f"but tensor {tensor_id} holds {kpu.nbytes}")
         if min(i0, j0, k0) < 0 or i0 >= d0 or j0 >= d1 or k0 >= d2:
@@ -407,11 +398,9 @@ class ExtentMap:
         if (f0 > 1 and (f1 != d1 or f2 != d2)) or (f1 > 1 and f2 != d2):
             raise TranslationError(
                 f"source box {tuple(shape_src)} at {tuple(index)} is not one contiguous range of {tuple(shape_tgt)}")
-        row_elems = stride // e if padded else d1 * d2
-        offset_elem = i0 * row_elems + j0 * d2 + k0                # line 3: ((i0*d1 + j0)*d2 + k0) unpadded
+        offset_elem = (i0 * d1 + j0) * d2 + k0                     # line 3
         offset_bytes = offset_elem * e                             # line 4
-        whole_rows = f1 == d1 and f2 == d2
-        req_bytes = f0 * stride if (padded and whole_rows) else f0 * f1 * f2 * e   # line 6
+        req_bytes = f0 * f1 * f2 * e                               # line 6
         if offset_bytes % self.lba_size or req_bytes % self.lba_size:
             raise MisalignedRequestError(
                 f"box {tuple(shape_src)} at {tuple(index)} of tensor {tensor_id} is bytes "

@@ -18,6 +18,23 @@ MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
 
 _DTYPE_SIZES = (1, 2, 4, 8)
 PAGE_SIZE = 4096
+#: the two tensors of a layer's KV cache
+KINDS = ("k", "v")
+
+
+def tensor_id(layer: int, kind: str) -> int:
+    """The id of layer ``layer``'s K (``2 * layer``) or V (``2 * layer + 1``) tensor.
+
+    Tensor ids are also the order in which a decode step reads the KPUs.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+    return 2 * layer + (kind == "v")
+
+
+def tensor_of(tid: int) -> tuple[int, str]:
+    """``(layer, kind)`` of a tensor id (the inverse of :func:`tensor_id`)."""
+    return tid // 2, KINDS[tid % 2]
 
 
 def align_up(n: int, unit: int) -> int:
@@ -32,6 +49,10 @@ def check_lba_size(lba_size: int) -> int:
     if lba_size < 512 or lba_size > 65536 or lba_size & (lba_size - 1):
         raise ValueError(f"LBA size must be a power of two from 512 to 65536 bytes, got {lba_size}")
     return lba_size
+
+
+#: the fields that define a :class:`Geometry` (on the wire, in this order)
+GEOMETRY_FIELDS = ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens")
 
 
 @dataclass(frozen=True)
@@ -50,7 +71,7 @@ class Geometry:
     max_tokens: int
 
     def __post_init__(self) -> None:
-        for name in ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens"):
+        for name in GEOMETRY_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Geometry.{name} must be an int, got {type(value).__name__} ({value!r})")
@@ -96,15 +117,6 @@ class Geometry:
     def shape(self) -> tuple[int, int, int]:
         """The target shape ``(d0, d1, d2) = (max_tokens, B*H, D)`` of one KPU (Algorithm 2)."""
         return (self.max_tokens, self.batch * self.kv_heads, self.head_dim)
-
-    def token_stride(self, lba_size: int) -> int:
-        """Bytes between consecutive tokens of a KPU on an LBA extent.
-
-        Equals :attr:`token_bytes` when the alignment precondition of §IV-B
-        holds; otherwise each token row is padded to the next LBA multiple so
-        that every one-token append still starts and ends on a block boundary.
-        """
-        return align_up(self.token_bytes, check_lba_size(lba_size))
 
     def aligned(self, lba_size: int) -> bool:
         """The §IV-B precondition: one token of a KPU is a whole number of LBAs."""

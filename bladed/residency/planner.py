@@ -21,8 +21,9 @@ yields the pairs ``(K_i, V_i)`` in layer order, which is exactly
 ``n1 = min(floor(X / (2 S_kpu)), L)`` with layers ``1..n1`` in Group 1.
 
 Layers are numbered from 0 here (the paper's layer ``i`` is our ``i - 1``);
-tensor ids are ``2 * layer + (kind == "v")``, which is also the order in which
-a decode step reads them.
+tensor ids come from :func:`bladed.residency.geometry.tensor_id`
+(``2 * layer + (kind == "v")``), which is also the order in which a decode
+step reads them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from bladed.residency.geometry import PAGE_SIZE, Geometry, align_up, check_lba_size
+from bladed.residency.geometry import PAGE_SIZE, Geometry, align_up, check_lba_size, tensor_id, tensor_of
 
 
 class Mode(enum.StrEnum):
@@ -77,8 +78,10 @@ class KPU:
     """One KV Placement Unit: a layer's K or V tensor, and where it lives.
 
     ``nbytes`` is the dense size (``max_tokens * B*H*D*e``, the size of its
-    page-cache file); ``padded_bytes`` is what it takes on an LBA extent
-    (equal unless token rows had to be padded to the LBA size).
+    page-cache file); ``padded_bytes`` is what it takes on an LBA extent: the
+    same token rows back to back (the packed layout), rounded up to a whole
+    LBA, so equal to ``nbytes`` when the §IV-B precondition holds (a token
+    row is a whole number of LBAs) and less than one LBA more otherwise.
     """
 
     layer: int
@@ -95,7 +98,7 @@ class KPU:
             raise ValueError(f"KPU kind must be 'k' or 'v', got {self.kind!r}")
         if self.layer < 0:
             raise ValueError(f"KPU layer must be >= 0, got {self.layer}")
-        if self.tensor_id != 2 * self.layer + (self.kind == "v"):
+        if self.tensor_id != tensor_id(self.layer, self.kind):
             raise ValueError(f"KPU tensor id {self.tensor_id} does not match layer {self.layer} kind {self.kind}")
         if self.group not in (1, 2):
             raise ValueError(f"KPU group must be 1 or 2, got {self.group}")
@@ -140,7 +143,7 @@ class LayerOrderRanker:
     name = "layer-order"
 
     def units(self, geometry: Geometry) -> Sequence[tuple[int, ...]]:
-        return [(2 * i, 2 * i + 1) for i in range(geometry.layers)]
+        return [(tensor_id(i, "k"), tensor_id(i, "v")) for i in range(geometry.layers)]
 
 
 class KpuFillRanker:
@@ -204,10 +207,9 @@ class Plan:
     n1: int                        # layers with both K and V in Group 1 (Algorithm 1's n1)
     kpus: tuple[KPU, ...]          # by tensor id
     lba_size: int
-    padding_bytes: int             # bytes of padding on the LBA extent (direct-path KPUs)
+    padding_bytes: int             # bytes of padding on the LBA extent (direct-path KPUs' last LBAs)
     budget_bytes: int = 0          # the B_pc the plan was made for
     ranker: str = LayerOrderRanker.name
-    token_stride: int = 0          # bytes per token row on the extent (token_bytes + padding)
     _by_id: dict[int, KPU] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -258,8 +260,10 @@ class Plan:
 
     @property
     def aligned(self) -> bool:
-        """True if the §IV-B precondition held (no padding needed)."""
-        return self.token_stride == self.geometry.token_bytes
+        """The §IV-B precondition: a token row is a whole number of LBAs, so every token range of a
+        KPU is whole LBAs (Algorithm 2 applies as is; otherwise the extent keeps rows packed and the
+        daemon completes the edge LBAs: ``bladed.server.stores.extent``)."""
+        return self.geometry.aligned(self.lba_size)
 
     def hit_fraction_bound(self) -> float:
         """Fraction of a decode step's read bytes that the plan serves from resident page cache."""
@@ -278,7 +282,6 @@ class Plan:
             "n1": self.n1,
             "lba_size": self.lba_size,
             "aligned": self.aligned,
-            "token_stride": self.token_stride,
             "padding_bytes": self.padding_bytes,
             "group1": [k.tensor_id for k in g1],
             "group2": [k.tensor_id for k in self.group2()],
@@ -288,6 +291,12 @@ class Plan:
             "reserve_blocks": self.reserve_blocks,
             "kpus": [k.to_dict() for k in self.kpus],
         }
+
+
+def whole_layers(tensor_ids: Iterable[int], layers: int) -> int:
+    """How many layers have both K and V among ``tensor_ids`` (Algorithm 1's ``n1`` for Group 1)."""
+    ids = set(tensor_ids)
+    return sum(1 for i in range(layers) if tensor_id(i, "k") in ids and tensor_id(i, "v") in ids)
 
 
 def _admit(units: Iterable[tuple[int, ...]], x_bytes: int, unit_bytes: int) -> set[int]:
@@ -331,20 +340,20 @@ def plan_session(geometry: Geometry, mode: Mode | str, budget_bytes: int, lba_si
             raise ValueError(f"knob X must be an int in [0, B_pc={budget_bytes}], got {x!r}")
     admitted = _admit(units, x, unit_bytes)
 
-    stride = geometry.token_stride(lba_size)
-    padded = stride * geometry.max_tokens
+    padded = align_up(geometry.kpu_bytes, lba_size)   # the packed layout: rows back to back, whole LBAs
     kpus = []
     for t in range(2 * geometry.layers):
         group = 1 if t in admitted else 2
         on_pc = group == 1 or mode in (Mode.BASELINE, Mode.CACHEPOLICY)
         path = Path.PAGECACHE if on_pc else Path.DIRECT
-        kpus.append(KPU(layer=t // 2, kind="kv"[t % 2], tensor_id=t, group=group, nbytes=geometry.kpu_bytes,
+        layer, kind = tensor_of(t)
+        kpus.append(KPU(layer=layer, kind=kind, tensor_id=t, group=group, nbytes=geometry.kpu_bytes,
                         padded_bytes=padded, path=path,
                         drop_after_use=(mode is Mode.CACHEPOLICY and group == 2)))
-    n1 = sum(1 for i in range(geometry.layers) if 2 * i in admitted and 2 * i + 1 in admitted)
+    n1 = whole_layers(admitted, geometry.layers)
     padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is Path.DIRECT)
     return Plan(geometry=geometry, mode=mode, x_bytes=x, n1=n1, kpus=tuple(kpus), lba_size=lba_size,
-                padding_bytes=padding, budget_bytes=budget_bytes, ranker=rk.name, token_stride=stride)
+                padding_bytes=padding, budget_bytes=budget_bytes, ranker=rk.name)
 
 
 # -- re-planning ---------------------------------------------------------------
@@ -399,7 +408,7 @@ def replan(plan: Plan, budget_bytes: int, ranker: Ranker | str | None = None) ->
             kpus.append(nk)
         else:
             kpus.append(k)
-    n1 = sum(1 for i in range(plan.geometry.layers) if 2 * i in keep and 2 * i + 1 in keep)
+    n1 = whole_layers(keep, plan.geometry.layers)
     padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is Path.DIRECT)
     new = replace(plan, x_bytes=target.x_bytes, n1=n1, kpus=tuple(kpus), padding_bytes=padding,
                   budget_bytes=budget_bytes, ranker=rk.name)

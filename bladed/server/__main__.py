@@ -2,6 +2,6 @@
 
 import sys
 
-from bladed.server.daemon import main
+from bladed.server.main import main
 
 sys.exit(main())

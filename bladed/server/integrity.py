@@ -69,13 +69,15 @@ class Checksums:
                 self._valid[tid] = np.zeros(n, dtype=bool)
             return self._crc[tid], self._valid[tid]
 
-    def after(self, op: str, tid: int, layer: int, kind: str, slot: Any, token_start: int, ntokens: int) -> None:
-        """Record (write) or verify (read) rows ``[token_start, token_start + ntokens)`` of the slot."""
+    def after(self, write: bool, tid: int, name: str, slot: Any, slot_offset: int, token_start: int,
+              ntokens: int) -> None:
+        """Record (write) or verify (read) rows ``[token_start, token_start + ntokens)``, at ``slot_offset`` of the
+        slot (RequestError INTEGRITY_ERROR naming the KPU and the first bad row on a mismatch)."""
         tb = self.geometry.token_bytes
-        crcs = row_crcs(slot, token_start * tb, ntokens, tb)
+        crcs = row_crcs(slot, slot_offset, ntokens, tb)
         crc, valid = self._arrays(tid)
         end = token_start + ntokens
-        if op == "write":
+        if write:
             crc[token_start:end] = crcs
             valid[token_start:end] = True
             self.rows_written += ntokens
@@ -86,7 +88,7 @@ class Checksums:
         if bad.size:
             first = token_start + int(bad[0])
             raise RequestError(ErrorCode.INTEGRITY_ERROR,
-                               f"crc32c mismatch reading layer {layer} {kind.upper()}: {bad.size} of {ntokens} "
+                               f"crc32c mismatch reading {name}: {bad.size} of {ntokens} "
                                f"token rows differ from what was written (first: token {first}, stored "
                                f"{int(crc[first]):#010x}, read {int(crcs[first - token_start]):#010x}); the data "
                                "on the device or in the page-cache file is corrupt")

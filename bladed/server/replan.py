@@ -6,19 +6,18 @@ memory pressure; at once after a SIGHUP that changes ``budget.*``).  When the
 budget falls below what live sessions hold, :meth:`BudgetLedger.shrink` gives
 new grants and :func:`replan` names the KPUs to demote.  They are recorded as
 *pending* on the session and carried out one KPU at a time at an operation
-boundary of that KPU, on a channel worker: before the next request that
-addresses it, or by a task queued on the session's channels right away,
+boundary of that KPU, holding a channel of the session: before the next
+request that addresses it, or by the daemon's demotion worker right away,
 whichever comes first.  A demotion waits for the requests in flight on its KPU
 and holds back new ones until it is done.
 
-``dualblade``: where token rows are padded on the extent, first give every
-channel the bounce buffer the direct path needs (a session that opened with
-every KPU in the page cache has none); bind the KPU after the last bound tensor
-of the extent (Eq. 3-6 still hold); copy its filled token rows from the
-page-cache file to the extent a bounded chunk at a time (through the bounce
-buffer, or one buffer of the same size for whole-LBA rows); drop and unlink the
-file.  If any step fails the move is refused: the KPU stays on the page-cache
-path with its bytes, ``demotions_failed`` counts it, and a later re-plan tries
+``dualblade``: the extent store binds the KPU after the last bound tensor of
+the extent (Eq. 3-6 still hold; the extent grows or is allocated if needed),
+maps the channels' edge scratch it needs, and copies the KPU's filled bytes
+from its page-cache file a bounded chunk at a time (the packed layout makes
+the file's bytes the extent's bytes); then the file is dropped and unlinked.
+If any step fails the move is refused: the KPU stays on the page-cache path
+with its bytes, ``demotions_failed`` counts it, and a later re-plan tries
 again.  Nothing is ever promoted back (growth goes to new sessions).
 ``cachepolicy``: switch the KPU to drop-after-use and drop its pages now.
 """
@@ -26,21 +25,18 @@ again.  Nothing is ever promoted back (growth goes to new sessions).
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import logging
+import queue
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from bladed.io import BladedIOError, StagingBuffer
+from bladed.io import BladedIOError
+from bladed.protocol import RequestError
 from bladed.residency.budget import BudgetBreakdown, Budgeter
-from bladed.residency.extents import ExtentMap, RegionFullError
-from bladed.residency.planner import KPU, Mode, Path, Plan, replan
-from bladed.server.channel import bounce_bytes
-from bladed.server.state import SessionRecord
+from bladed.residency.extents import RegionFullError
+from bladed.residency.planner import KPU, Mode, Path, Plan, replan, whole_layers
+from bladed.server.events import event
 
 if TYPE_CHECKING:
     from bladed.server.channel import Channel
@@ -52,8 +48,7 @@ log = logging.getLogger("bladed.replan")
 def _with_kpu(plan: Plan, kpu: KPU, target: Plan) -> Plan:
     """``plan`` with one KPU replaced (a demotion carried out), sized like ``target``."""
     kpus = tuple(kpu if k.tensor_id == kpu.tensor_id else k for k in plan.kpus)
-    g1 = {k.tensor_id for k in kpus if k.group == 1}
-    n1 = sum(1 for i in range(plan.geometry.layers) if 2 * i in g1 and 2 * i + 1 in g1)
+    n1 = whole_layers((k.tensor_id for k in kpus if k.group == 1), plan.geometry.layers)
     padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is Path.DIRECT)
     return replace(plan, kpus=kpus, n1=n1, padding_bytes=padding, x_bytes=target.x_bytes,
                    budget_bytes=target.budget_bytes)
@@ -130,7 +125,7 @@ class LiveState:
         return self.sess.plan.kpu(tensor_id)
 
     def run_pending(self, tensor_id: int, channel: Channel) -> None:
-        """The eager path: a task on a channel worker demotes the KPU if no request did it first."""
+        """The eager path: the demotion worker, holding ``channel``, demotes the KPU if no request did it first."""
         self.begin(tensor_id, channel, serve=False)
 
     def end(self, tensor_id: int) -> None:
@@ -162,6 +157,8 @@ class LiveReplanner:
         self._budgeter: Budgeter | None = None
         self._lock = threading.Lock()
         self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0}
+        self._work: queue.Queue[tuple[Session, int] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
 
     # -- the re-sampling thread -------------------------------------------------------------
     def _pinned(self) -> tuple[int, int]:
@@ -183,6 +180,9 @@ class LiveReplanner:
             log.warning("live re-planning disabled: cannot start budget sampling: %s", e)
             return
         self._budgeter = b
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._demote_eagerly, name="bladed-demote", daemon=True)
+            self._worker.start()
         if b.last is not None:
             self.apply(b.last)
 
@@ -190,6 +190,19 @@ class LiveReplanner:
         b, self._budgeter = self._budgeter, None
         if b is not None:
             b.stop()
+        w, self._worker = self._worker, None
+        if w is not None:
+            self._work.put(None)
+            w.join()
+
+    def _demote_eagerly(self) -> None:
+        """Carry out pending demotions of idle sessions (a request on the KPU may do it first)."""
+        while (item := self._work.get()) is not None:
+            sess, tid = item
+            ch = sess.channels[tid % len(sess.channels)]
+            with ch.lock:
+                if not sess.closing:
+                    sess.live.run_pending(tid, ch)
 
     def restart(self) -> None:
         """After a reload of ``budget.*``: new override/cap/cgroup, and apply at once."""
@@ -210,8 +223,6 @@ class LiveReplanner:
     # -- shrink -> replan -> pending demotions ------------------------------------------------
     def apply(self, b: BudgetBreakdown) -> None:
         """``ledger.shrink(B_pc)``, then record each affected session's demotions."""
-        from bladed.server.session import event
-
         with self._lock:
             grants = self.manager.ledger.shrink(b.b_pc)
             for sid, grant in grants.items():
@@ -224,27 +235,29 @@ class LiveReplanner:
                 self.stats["replans"] += 1
                 event("replan", session=sess.id, mode=sess.plan.mode.value, b_pc=b.b_pc, grant=grant,
                       reason=b.reason, demoted=",".join(k.name for k in demoted))
-                # eager: a task per KPU on the session's channels, so an idle session moves too
-                for i, k in enumerate(demoted):
-                    ch = sess.channels[i % len(sess.channels)]
-                    ch.post(functools.partial(sess.live.run_pending, k.tensor_id))
+                # eager: the demotion worker moves an idle session's KPUs too
+                for k in demoted:
+                    self._work.put((sess, k.tensor_id))
 
     # -- carrying one out ----------------------------------------------------------------------
     def carry_out(self, sess: Session, kpu: KPU, channel: Channel) -> None:
-        """Demote one KPU on ``channel``'s worker (no request on it is in flight); on failure it stays where it is."""
-        from bladed.server.session import event
-
+        """Demote one KPU holding ``channel`` (no request on it is in flight); on failure it stays where it is."""
         live = sess.live
         target = live.target or sess.plan
         nbytes = 0
+        tid = kpu.tensor_id
         try:
+            pagecache, extent_store = sess.stores()
             if sess.plan.mode is Mode.DUALBLADE:
-                self._ready_channels(sess)
-                nbytes = self._move(sess, kpu, channel)
+                filled = live.filled.get(tid, 0) * sess.geometry.token_bytes
+                nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel,
+                                            lambda need: self.manager.room(sess, need))
+                # drops its clean pages; dirty ones go with the inode, never written back
+                pagecache.detach(tid).close(unlink=True)
             else:
                 # CachePolicy-Only (Table III): the KPU stays on the page-cache path, dropped after use
-                sess.pc_files[kpu.tensor_id].drop()
-        except (OSError, BladedIOError, RegionFullError, ValueError, MemoryError) as e:
+                pagecache.drop(tid)
+        except (OSError, BladedIOError, RegionFullError, ValueError, MemoryError, RequestError) as e:
             live.gave_up(kpu)
             with self._lock:
                 self.stats["demotions_failed"] += 1
@@ -260,84 +273,6 @@ class LiveReplanner:
             self.stats["demoted_bytes"] += nbytes
         event("kpu_demoted", session=sess.id, kpu=kpu.name, path=kpu.path.value, bytes=nbytes,
               group1_bytes=sess.plan.group1_bytes)
-
-    @staticmethod
-    def _ready_channels(sess: Session) -> None:
-        """Give every channel what the direct path needs before a KPU moves there (MemoryError: refuse the move).
-
-        Padded rows (§IV-B precondition fails) go through a per-channel bounce buffer;
-        a session that opened with every KPU in the page cache has none yet.  Any
-        channel may serve the KPU next, so all of them get one, before anything
-        is written to the extent.
-        """
-        if not sess.plan.aligned:
-            for ch in sess.channels:
-                ch.ensure_bounce()
-
-    def _room(self, sess: Session, kpu: KPU) -> tuple[int, int]:
-        """Bind ``kpu`` on the session's extent: reserved room, else grow in place, else a first extent."""
-        mgr = self.manager
-        need = kpu.padded_bytes // sess.plan.lba_size
-        with sess.live._room:
-            if kpu.tensor_id in sess.extent_map:
-                # bound by an earlier try whose copy failed: the same LBAs again
-                return sess.extent_map.lookup(kpu.tensor_id)
-            ext = sess.extent
-            if ext is None:
-                ext = mgr.allocator.allocate(need, owner=sess.id)
-                sess.extent = ext
-                sess.extent_map = ExtentMap(sess.plan, ext)
-                self._journal(sess)
-            elif sess.extent_map.end_lba + need > ext.end:
-                ext = mgr.allocator.grow(ext, sess.extent_map.end_lba + need - ext.end)
-                sess.extent = sess.extent_map.extent = ext
-                self._journal(sess)
-            return sess.extent_map.add(kpu)
-
-    def _journal(self, sess: Session) -> None:
-        """Record the (new or grown) extent, so crash recovery TRIMs all of it."""
-        assert sess.extent is not None
-        self.manager.journal.add(SessionRecord(
-            id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=sess.plan.mode.value,
-            extents=[(sess.extent.start, sess.extent.nblocks)], pagecache_dir=sess.pc_dir))
-
-    def _move(self, sess: Session, kpu: KPU, ch: Channel) -> int:
-        """Copy the filled rows file -> extent a bounded chunk at a time, then drop and unlink the file.
-
-        Demotions run when memory is short, so the move's own memory does not grow
-        with the KPU: padded rows go through the channel's bounce buffer (free: its
-        worker is busy with this move) plus a dense chunk of at most the same rows,
-        whole-LBA rows through one buffer of the same size (``bounce_bytes``).
-        """
-        plan = sess.plan
-        tid = kpu.tensor_id
-        f = sess.pc_files[tid]
-        t = sess.live.filled.get(tid, 0)
-        tb, stride = plan.geometry.token_bytes, plan.token_stride
-        with contextlib.ExitStack() as stack:
-            if not t:
-                buf = None
-            elif plan.aligned:
-                buf = stack.enter_context(StagingBuffer(min(t * tb, bounce_bytes(plan))))
-            else:
-                buf = ch.ensure_bounce()
-            slba, _ = self._room(sess, kpu)
-            if buf is not None:
-                rows = buf.nbytes // stride
-                padded = np.frombuffer(buf.view(), np.uint8)
-                dense = None if plan.aligned else np.empty(min(rows, t) * tb, np.uint8)
-                for r in range(0, t, rows):
-                    k = min(rows, t - r)
-                    if dense is None:
-                        f.read_into(buf, r * tb, k * tb)
-                    else:
-                        # rows are padded to the LBA on the extent (§IV-B precondition fails): one strided copy
-                        f.read_into(dense, r * tb, k * tb)
-                        padded[:k * stride].reshape(k, stride)[:, :tb] = dense[:k * tb].reshape(k, tb)
-                    ch.engine.write(slba + r * stride // plan.lba_size, buf, nbytes=k * stride)
-        f.close(unlink=True)   # drops its clean pages; dirty ones go with the inode, never written back
-        del sess.pc_files[tid]
-        return t * tb
 
     def to_dict(self) -> dict[str, Any]:
         b = self._budgeter

@@ -1,75 +1,58 @@
-"""Sessions: open (plan, bind, map the client's staging memory), per-tensor
-requests, and teardown (TRIM, page-cache files, journal).
+"""Sessions: open (plan, bind, map the client's staging memory), batched requests, teardown.
 
 A session belongs to the connection that opened it and can only address its
 own KPUs.  Opening one runs the paper's Plan and Bind steps (§IV-A): the
 budgeter gives ``B_pc`` (Eq. 1-2), minus what live sessions already hold in
-the page cache; Algorithm 1 splits the KPUs; the direct-path KPUs get one
+the page cache; Algorithm 1 splits the KPUs between a page-cache store and an
+extent store (``bladed.server.stores``); the direct-path KPUs get one
 contiguous extent laid out back to back (Eq. 3-6).  Files and LBAs are
 materialised by the first request that touches them.
+
+A request is a batch of token ranges on one channel: :meth:`Session.execute`
+checks all of them first (a bad one refuses the whole request, nothing done),
+then hands each store its share, all under the channel's lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import mmap
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from bladed.config import Config
-from bladed.io import BladedIOError, Engine, ExtentDevice, StagingBuffer
-from bladed.io.pagecache import PageCacheStore
-from bladed.protocol import ErrorCode, RequestError, get_field
+from bladed.io import Engine, ExtentDevice, StagingBuffer
+from bladed.protocol import MIRROR, ErrorCode, IOOp, IORange, RangeResult, RequestError, get_field
 from bladed.residency.budget import Budgeter
-from bladed.residency.extents import Extent, ExtentAllocator, ExtentMap, RegionFullError
-from bladed.residency.geometry import Geometry, align_up
-from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
-from bladed.server.channel import Channel, IORequest, bounce_bytes
+from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
+from bladed.residency.geometry import GEOMETRY_FIELDS, PAGE_SIZE, Geometry, align_up, tensor_id, tensor_of
+from bladed.residency.planner import BudgetLedger, Mode, Path, Plan, plan_session
+from bladed.server.channel import Channel
+from bladed.server.events import Peer, event
 from bladed.server.integrity import Checksums
+from bladed.server.lifecycle import scrub
 from bladed.server.metrics import Stats
 from bladed.server.replan import LiveReplanner, LiveState
 from bladed.server.state import QUARANTINED, Journal, SessionRecord
+from bladed.server.stores import Access, ExtentKPUStore, PageCacheKPUStore
 
 log = logging.getLogger("bladed.session")
-events = logging.getLogger("bladed.events")
 
-PAGE = 4096
-SESSION_DIR_PREFIX = "session-"
-GEOMETRY_FIELDS = ("layers", "batch", "kv_heads", "head_dim", "dtype_bytes", "max_tokens")
 #: the open_session reply lists every KPU (2 per layer, at most 164 bytes each): 2048 layers keep the worst-case
 #: reply at about 714 KB, inside MAX_FRAME_BYTES (docs/protocol.md, "Limits")
 MAX_LAYERS = 2048
 
 
-@dataclass(frozen=True)
-class Peer:
-    """Who is on the other end of a connection (SO_PEERCRED)."""
-
-    pid: int
-    uid: int
-    gid: int
-
-
-def event(name: str, **fields: Any) -> None:
-    """One structured log line: ``event=NAME key=value ...`` (journald-friendly)."""
-    parts = [f"event={name}"]
-    for k, v in fields.items():
-        s = str(v)
-        parts.append(f"{k}={s!r}" if (" " in s or not s) else f"{k}={s}")
-    events.info(" ".join(parts))
-
-
 class Session:
-    """One open session: plan, storage bindings, staging mapping and channels."""
+    """One open session: plan, stores, staging mapping and channels."""
 
     def __init__(self, sid: str, peer: Peer, geometry: Geometry, plan: Plan, budget: dict[str, Any],
                  stats: Stats) -> None:
@@ -80,24 +63,36 @@ class Session:
         self.budget = budget
         self.stats = stats
         self.opened = time.time()
-        self.extent: Extent | None = None
-        self.extent_map: ExtentMap
-        self.pc_store: PageCacheStore | None = None
-        self.pc_dir = ""
-        self.pc_files: dict[int, Any] = {}
+        #: what a data connection presents to attach to one of this session's channels
+        self.attach_token = secrets.token_hex(16)
+        #: the two stores (``bladed.server.stores``), made when the session is bound
+        self.pagecache: PageCacheKPUStore | None = None
+        self.extent_store: ExtentKPUStore | None = None
         self.mapping: mmap.mmap | None = None
         self.staging_bytes = 0
+        self.slot_bytes = 0
         self.slot_stride = 0
-        self.slots: list[StagingBuffer] = []
-        self.bounces: list[StagingBuffer] = []
-        self.engines: list[Engine] = []
         self.channels: list[Channel] = []
         self.closing = False
         #: per-token-row crc32c (``checksums`` in open_session); None = off
         self.checksums: Checksums | None = None
         #: bytes Write-Zeroed at teardown (devices that do not read zeroes after a deallocate)
         self.zeroed_bytes = 0
+        #: page-cache files removed at teardown
+        self.files_removed = 0
         self.live = LiveState(self)
+        self._attached: set[Any] = set()
+        self._attach_lock = threading.Lock()
+
+    @property
+    def extent(self) -> Extent | None:
+        return None if self.extent_store is None else self.extent_store.extent
+
+    def stores(self) -> tuple[PageCacheKPUStore, ExtentKPUStore]:
+        """The page-cache and extent stores (a session that is not bound has none)."""
+        if self.pagecache is None or self.extent_store is None:
+            raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is not open")
+        return self.pagecache, self.extent_store
 
     @property
     def storage_bytes(self) -> int:
@@ -107,11 +102,12 @@ class Session:
 
     def layout(self) -> dict[str, Any]:
         g = self.geometry
+        ext = self.extent
         return {"channels": len(self.channels), "token_bytes": g.token_bytes, "kpu_bytes": g.kpu_bytes,
-                "max_tokens": g.max_tokens, "slot_stride": self.slot_stride, "staging_bytes": self.staging_bytes,
-                "extent": None if self.extent is None else {"start": self.extent.start,
-                                                             "nblocks": self.extent.nblocks},
-                "registered": [e.registered for e in self.engines]}
+                "max_tokens": g.max_tokens, "slot_bytes": self.slot_bytes, "slot_stride": self.slot_stride,
+                "staging_bytes": self.staging_bytes, "attach_token": self.attach_token,
+                "extent": None if ext is None else {"start": ext.start, "nblocks": ext.nblocks},
+                "registered": [c.engine.registered for c in self.channels]}
 
     def open_reply(self) -> dict[str, Any]:
         """The fields of the ``open_session`` reply: session id, plan (with the budget sample) and layout."""
@@ -121,6 +117,7 @@ class Session:
 
     def describe(self) -> dict[str, Any]:
         p = self.plan
+        ext = self.extent
         return {
             "session": self.id, "uid": self.peer.uid, "pid": self.peer.pid, "mode": p.mode.value,
             "channels": len(self.channels), "geometry": self.geometry.to_dict(), "opened": self.opened,
@@ -128,15 +125,27 @@ class Session:
             "group1": len(p.group1()), "group2": len(p.group2()),
             "pagecache_bytes": sum(k.pagecache_bytes for k in p.pagecache_kpus()),
             "direct_bytes": p.direct_bytes, "storage_bytes": self.storage_bytes,
-            "extent": None if self.extent is None else {"start": self.extent.start, "nblocks": self.extent.nblocks},
+            "extent": None if ext is None else {"start": ext.start, "nblocks": ext.nblocks},
             "ops": sum(c.ops for c in self.channels),
             "busy_s": sum(c.busy_ns for c in self.channels) / 1e9,
+            "attached": len(self._attached),
         } | self.live.to_dict()
 
-    def request(self, req_id: Any, op: str, body: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
-        """Validate a write/read and queue it on its channel (replies come from the worker)."""
-        if self.closing:
-            raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is closing")
+    # -- data connections -------------------------------------------------------------
+    def attach(self, conn: Any) -> None:
+        """Register a data connection (torn down with the session)."""
+        with self._attach_lock:
+            if self.closing:
+                raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is closing")
+            self._attached.add(conn)
+
+    def detach(self, conn: Any) -> None:
+        with self._attach_lock:
+            self._attached.discard(conn)
+
+    # -- requests -------------------------------------------------------------------------
+    def json_range(self, op: str, body: dict[str, Any]) -> tuple[int, IORange]:
+        """A JSON ``read``/``write`` request as (channel, range)."""
         g = self.geometry
         layer = get_field(body, "layer", int)
         kind = get_field(body, "kind", str)
@@ -146,16 +155,109 @@ class Session:
             raise RequestError(ErrorCode.OUT_OF_RANGE, f"layer {layer} outside 0..{g.layers - 1}")
         if kind not in ("k", "v"):
             raise RequestError(ErrorCode.OUT_OF_RANGE, f"kind must be 'k' or 'v', got {kind!r}")
-        if not 0 <= ch < len(self.channels):
-            raise RequestError(ErrorCode.OUT_OF_RANGE, f"channel {ch} outside 0..{len(self.channels) - 1}")
         if not 0 <= start < g.max_tokens:
             raise RequestError(ErrorCode.OUT_OF_RANGE, f"token_start {start} outside 0..{g.max_tokens - 1}")
         n = get_field(body, "ntokens", int, default=g.max_tokens - start)
-        if n < 1 or start + n > g.max_tokens:
-            raise RequestError(ErrorCode.OUT_OF_RANGE,
-                               f"tokens [{start}, {start + n}) outside the KPU's 0..{g.max_tokens} tokens")
-        kpu = self.plan.kpu(2 * layer + (kind == "v"))
-        self.channels[ch].submit(IORequest(req_id, op, kpu, start, n, reply))
+        return ch, IORange(IOOp.WRITE if op == "write" else IOOp.READ, tensor_id(layer, kind), start, n)
+
+    def channel(self, index: int) -> Channel:
+        if not 0 <= index < len(self.channels):
+            raise RequestError(ErrorCode.OUT_OF_RANGE, f"channel {index} outside 0..{len(self.channels) - 1}")
+        return self.channels[index]
+
+    def _check(self, ranges: Sequence[IORange], limit: int) -> list[tuple[IORange, int, int, int]]:
+        """Every range checked before anything runs: ``(range, kpu offset, bytes, slot offset)`` each."""
+        g = self.geometry
+        tb, ntensors = g.token_bytes, 2 * g.layers
+        if len(ranges) > limit:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"a request of {len(ranges)} ranges exceeds "
+                                                      f"io.max_outstanding ({limit}); split it")
+        out = []
+        seen: set[int] = set()
+        for i, r in enumerate(ranges):
+            where = f"range {i}" if len(ranges) > 1 else "the range"
+            if not 0 <= r.tensor_id < ntensors:
+                layer, kind = tensor_of(r.tensor_id)
+                raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: layer {layer} {kind.upper()} (tensor "
+                                                           f"{r.tensor_id}) outside the session's layers "
+                                                           f"0..{g.layers - 1}")
+            if r.tensor_id in seen:
+                layer, kind = tensor_of(r.tensor_id)
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{where}: layer {layer} {kind.upper()} appears twice in "
+                                                          "one request; send the second range in another request")
+            seen.add(r.tensor_id)
+            end = r.token_start + r.ntokens
+            if r.ntokens < 1 or end > g.max_tokens:
+                raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: tokens [{r.token_start}, {end}) outside the "
+                                                           f"KPU's 0..{g.max_tokens} tokens")
+            nbytes = r.ntokens * tb
+            so = r.token_start * tb if r.slot_offset == MIRROR else r.slot_offset
+            if so + nbytes > self.slot_bytes:
+                raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: slot bytes [{so}, {so + nbytes}) outside the "
+                                                           f"channel's {self.slot_bytes}-byte slot")
+            out.append((r, r.token_start * tb, nbytes, so))
+        if len(out) > 1:
+            spans = sorted((so, so + n, i) for i, (_, _, n, so) in enumerate(out))
+            for (_, e1, i1), (s2, _, i2) in itertools.pairwise(spans):
+                if s2 < e1:
+                    raise RequestError(ErrorCode.BAD_REQUEST, f"ranges {min(i1, i2)} and {max(i1, i2)} overlap in the "
+                                                              "staging slot; give them disjoint slot offsets")
+        return out
+
+    def execute(self, ch_index: int, ranges: Sequence[IORange], limit: int) -> list[RangeResult]:
+        """Run one request (a batch of ranges) on channel ``ch_index``; one result per range, in order.
+
+        A range that is out of bounds refuses the whole request (RequestError,
+        nothing done); a range that fails while running fails alone.
+        """
+        ch = self.channel(ch_index)
+        checked = self._check(ranges, limit)
+        pagecache, extent_store = self.stores()
+        with ch.lock:
+            if self.closing:
+                raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is closing")
+            t0 = time.monotonic_ns()
+            live = self.live
+            accesses: list[Access] = []
+            try:
+                for r, off, n, so in checked:
+                    # a pending live demotion of this KPU is carried out first (bladed.server.replan)
+                    kpu = live.begin(r.tensor_id, ch)
+                    accesses.append(Access(r.op, kpu, r.token_start, r.ntokens, off, n, so))
+                pc = [a for a in accesses if a.kpu.path is Path.PAGECACHE]
+                direct = [a for a in accesses if a.kpu.path is Path.DIRECT]
+                if pc:
+                    pagecache.run(ch, pc)
+                if direct:
+                    extent_store.run(ch, direct)
+                self._after(ch, accesses)
+            finally:
+                for a in accesses:
+                    live.end(a.kpu.tensor_id)
+            ch.busy_ns += time.monotonic_ns() - t0
+            ch.ops += len(accesses)
+        return [a.result for a in accesses]
+
+    def _after(self, ch: Channel, accesses: list[Access]) -> None:
+        """Checksums, fill marks and statistics of the accesses that ran."""
+        for a in accesses:
+            r = a.result
+            if r.error is None and self.checksums is not None:
+                # record (write) or verify (read) the crc32c of each token row: bladed.server.integrity
+                try:
+                    self.checksums.after(a.is_write, a.kpu.tensor_id, f"layer {a.kpu.layer} {a.kpu.kind.upper()}",
+                                         ch.slot.view(), a.slot_offset, a.token_start, a.ntokens)
+                except RequestError as e:
+                    self.stats.add("integrity_errors")
+                    a.fail(e.code, e.message)
+            op = "write" if a.is_write else "read"
+            if r.error is not None:
+                self.stats.io_error(a.kpu.path.value, op)
+                continue
+            if a.is_write:
+                self.live.wrote(a.kpu.tensor_id, a.token_start + a.ntokens)
+            hit = None if r.hit_bytes is None else r.hit_bytes / a.nbytes
+            self.stats.observe_io(a.kpu.path.value, op, a.nbytes, r.service_ns / 1e9, hit)
 
 
 class SessionManager:
@@ -172,20 +274,22 @@ class SessionManager:
         self.replanner = LiveReplanner(self)
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
-        #: register staging slots with io_uring (False where the kernel mishandles it; see the daemon's probe)
 
     @property
     def staging_align(self) -> int:
-        return max(PAGE, self.device.lba_size)
+        return max(PAGE_SIZE, self.device.lba_size)
 
     def budgeter(self, n_threads: int, m_pin: int) -> Budgeter:
         b = self.cfg.budget
         return Budgeter(n_threads, m_pin, override_bytes=b.override, cap_bytes=b.cap,
                         cgroup_path=b.cgroup or None)
 
-    def uid_bytes(self, uid: int) -> int:
+    def live_sessions(self) -> list[Session]:
         with self._lock:
-            return sum(s.storage_bytes for s in self.sessions.values() if s.peer.uid == uid)
+            return list(self.sessions.values())
+
+    def uid_bytes(self, uid: int) -> int:
+        return sum(s.storage_bytes for s in self.live_sessions() if s.peer.uid == uid)
 
     # -- open --------------------------------------------------------------------------
     def open(self, peer: Peer, body: dict[str, Any], fds: list[int]) -> Session:
@@ -215,12 +319,13 @@ class SessionManager:
         except ValueError as e:
             raise RequestError(ErrorCode.BAD_REQUEST, f"field 'mode': {e}") from None
         channels = get_field(body, "channels", int, minimum=1, maximum=cfg.io.max_channels)
+        slot_bytes = get_field(body, "slot_bytes", int, default=geometry.kpu_bytes, minimum=geometry.kpu_bytes)
         staging_bytes = get_field(body, "staging_bytes", int, minimum=1)
-        stride = align_up(geometry.kpu_bytes, self.staging_align)
+        stride = align_up(slot_bytes, self.staging_align)
         if staging_bytes < channels * stride or staging_bytes % self.staging_align:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"staging_bytes {staging_bytes} must be a multiple of {self.staging_align} and hold "
-                               f"{channels} slots of {stride} bytes (one KPU each)")
+                               f"{channels} slots of {stride} bytes (slot_bytes {slot_bytes})")
         if staging_bytes > cfg.io.max_staging_bytes:
             # the daemon maps and pins (registers) this memory: bound what one request can make it hold
             raise RequestError(ErrorCode.BAD_REQUEST,
@@ -258,7 +363,7 @@ class SessionManager:
                                f"uid {peer.uid} would hold {self.uid_bytes(peer.uid) + sess.storage_bytes} bytes, "
                                f"over its quota of {quota} (access.quota_bytes)")
         try:
-            self._bind(sess, fd, channels, staging_bytes, stride)
+            self._bind(sess, fd, channels, staging_bytes, slot_bytes, stride)
         except BaseException:
             self._release(sess, trim=False)
             raise
@@ -266,99 +371,114 @@ class SessionManager:
             self.sessions[sid] = sess
         self.ledger.admit(sid, plan)
         self.stats.add("sessions_opened")
+        ext = sess.extent
         event("session_open", session=sid, uid=peer.uid, pid=peer.pid, mode=mode.value, channels=channels,
               layers=geometry.layers, kpu_bytes=geometry.kpu_bytes, b_pc=b_pc, x_bytes=plan.x_bytes, n1=plan.n1,
               group1=len(plan.group1()), group2=len(plan.group2()),
-              extent=f"{sess.extent.start}+{sess.extent.nblocks}" if sess.extent else "none",
-              registered=all(e.registered for e in sess.engines))
+              extent=f"{ext.start}+{ext.nblocks}" if ext else "none",
+              registered=all(c.engine.registered for c in sess.channels))
         return sess
 
-    def _bind(self, sess: Session, fd: int, channels: int, staging_bytes: int, stride: int) -> None:
-        """Bind (§IV-A): extent + extent map, page-cache files, staging mapping, engines."""
+    def _bind(self, sess: Session, fd: int, channels: int, staging_bytes: int, slot_bytes: int,
+              stride: int) -> None:
+        """Bind (§IV-A): extent + stores, staging mapping, one ring per channel."""
         plan = sess.plan
         blocks = plan.extent_blocks
+        extent: Extent | None = None
+        sess.pagecache = pagecache = PageCacheKPUStore(self.cfg.pagecache_dir, sess.id, plan.pagecache_kpus())
         if plan.mode is Mode.DUALBLADE and self.cfg.budget.reserve_extent and plan.reserve_blocks > blocks:
             # room for every KPU, so a live demotion always fits (docs/architecture.md, re-planning)
             try:
-                sess.extent = self.allocator.allocate(plan.reserve_blocks, owner=sess.id)
+                extent = self.allocator.allocate(plan.reserve_blocks, owner=sess.id)
             except RegionFullError:
                 log.info("session %s: no room to reserve %d blocks; allocating the plan's %d",
                          sess.id, plan.reserve_blocks, blocks)
-        if blocks and sess.extent is None:
+        if blocks and extent is None:
             try:
-                sess.extent = self.allocator.allocate(blocks, owner=sess.id)
+                extent = self.allocator.allocate(blocks, owner=sess.id)
             except RegionFullError as e:
                 raise RequestError(ErrorCode.NO_SPACE, str(e)) from None
-        sess.extent_map = ExtentMap(plan, sess.extent)
-        pc_kpus = plan.pagecache_kpus()
-        if pc_kpus:
-            sess.pc_dir = os.path.join(self.cfg.pagecache_dir, SESSION_DIR_PREFIX + sess.id)
+        sess.extent_store = extent_store = ExtentKPUStore(plan, extent, channels)
         # journal before anything touches storage, so a crash from here on is reclaimed
-        self.journal.add(SessionRecord(
-            id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=plan.mode.value,
-            extents=[(sess.extent.start, sess.extent.nblocks)] if sess.extent else [], pagecache_dir=sess.pc_dir))
-        if pc_kpus:
-            os.makedirs(sess.pc_dir, mode=0o700, exist_ok=True)
-            sess.pc_store = PageCacheStore(sess.pc_dir)
-            for k in pc_kpus:
-                sess.pc_files[k.tensor_id] = sess.pc_store.open(k.name, k.nbytes)
+        self.journal_session(sess)
+        pagecache.create()
         try:
             sess.mapping = mmap.mmap(fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise RequestError(ErrorCode.BAD_REQUEST, f"cannot map the staging memfd: {e}") from None
-        sess.staging_bytes = staging_bytes
-        sess.slot_stride = stride
+        sess.staging_bytes, sess.slot_bytes, sess.slot_stride = staging_bytes, slot_bytes, stride
         view = memoryview(sess.mapping)
         try:
-            for ch in range(channels):
-                sess.slots.append(StagingBuffer.wrap(view[ch * stride:(ch + 1) * stride]))
+            slots = [StagingBuffer.wrap(view[ch * stride:ch * stride + slot_bytes]) for ch in range(channels)]
         finally:
             view.release()
-        unaligned = not plan.aligned and plan.direct_kpus()
-        for ch in range(channels):
-            bufs = [sess.slots[ch]]
-            bounce = None
-            if unaligned:
-                bounce = StagingBuffer(bounce_bytes(plan))
-                sess.bounces.append(bounce)
-                bufs.append(bounce)
+        for ch, slot in enumerate(slots):
             try:
-                engine = Engine(self.device, self.cfg.io.queue_depth, bufs)
+                engine = Engine(self.device, self.cfg.io.queue_depth, [slot])
             except OSError as e:
+                for s in slots[ch:]:
+                    s.close()
                 raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {ch}: {e}") from None
-            sess.engines.append(engine)
-            sess.channels.append(Channel(sess, ch, engine, sess.slots[ch], bounce, self.cfg.io.max_outstanding))
-        for c in sess.channels:
-            c.start()
+            sess.channels.append(Channel(ch, engine, slot))
+        if plan.mode in (Mode.DIRECT, Mode.DUALBLADE):
+            # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
+            extent_store.prepare()
+
+    def journal_session(self, sess: Session) -> None:
+        """Record what the session holds (again after its extent grew), so crash recovery reclaims all of it."""
+        ext = sess.extent
+        self.journal.add(SessionRecord(id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=sess.plan.mode.value,
+                                       extents=[(ext.start, ext.nblocks)] if ext else [],
+                                       pagecache_dir=sess.pagecache.directory if sess.pagecache else ""))
+
+    def room(self, sess: Session, need: int) -> Extent:
+        """The session's extent with ``need`` free blocks after its last bound KPU (a live demotion)."""
+        store = sess.stores()[1]
+        ext = store.extent
+        if ext is None:
+            ext = self.allocator.allocate(need, owner=sess.id)
+        elif store.map.end_lba + need > ext.end:
+            ext = self.allocator.grow(ext, store.map.end_lba + need - ext.end)
+        else:
+            return ext
+        store.map.extent = ext
+        self.journal_session(sess)
+        return ext
 
     # -- teardown ------------------------------------------------------------------------
     def get(self, sid: str) -> Session | None:
         with self._lock:
             return self.sessions.get(sid)
 
-    def close(self, sess: Session, reason: str, *, abandon: bool = False) -> None:
-        """Drain (or abandon) the session's requests, TRIM its extent, remove its files."""
+    def close(self, sess: Session, reason: str) -> None:
+        """Stop the session's data connections, wait for the requests in flight, TRIM its extent, remove its files."""
         with self._lock:
             if self.sessions.pop(sess.id, None) is None:
                 return
-        sess.closing = True
+        with sess._attach_lock:
+            sess.closing = True
+            attached = list(sess._attached)
+        for conn in attached:
+            conn.kill()
         for c in sess.channels:
-            c.stop(abandon=abandon)
-        for c in sess.channels:
-            c.join()
-        trimmed = self._release(sess, trim=True)
+            c.lock.acquire()   # the request in flight on it (if any) completes first
+        try:
+            trimmed = self._release(sess, trim=True)
+        finally:
+            for c in sess.channels:
+                c.lock.release()
         self.ledger.release(sess.id)
         self.stats.add("sessions_closed")
         event("session_close", session=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, reason=reason,
               ops=sum(c.ops for c in sess.channels), trimmed_bytes=trimmed, zeroed_bytes=sess.zeroed_bytes,
-              files_removed=len(sess.pc_files), lived_s=f"{time.time() - sess.opened:.1f}")
+              files_removed=sess.files_removed, lived_s=f"{time.time() - sess.opened:.1f}")
 
     def _release(self, sess: Session, *, trim: bool) -> int:
         """Give back everything a (possibly half-opened) session holds; returns TRIMmed bytes."""
         trimmed = 0
         quarantined: tuple[int, int] | None = None
-        if sess.extent is not None:
-            ext, sess.extent = sess.extent, None
+        ext = sess.extent_store.close() if sess.extent_store is not None else None
+        if ext is not None:
             if not trim:
                 self.allocator.free(ext)  # a half-opened session never wrote to its extent
             else:
@@ -377,21 +497,9 @@ class SessionManager:
                     quarantined = (ext.start, ext.nblocks)
                 self.stats.add("trimmed_bytes", trimmed)
                 self.stats.add("zeroed_bytes", zeroed)
-        for f in sess.pc_files.values():
-            try:
-                f.close(unlink=True)
-            except OSError as e:
-                log.warning("session %s: removing a page-cache file failed: %s", sess.id, e)
-        if sess.pc_store is not None:
-            sess.pc_store.close()
-            sess.pc_store = None
-        if sess.pc_dir:
-            shutil.rmtree(sess.pc_dir, ignore_errors=True)
-        for eng in sess.engines:
-            eng.close()
-        for b in sess.slots + sess.bounces:
-            b.close()
-        sess.slots, sess.bounces = [], []
+        sess.files_removed = sess.pagecache.close() if sess.pagecache is not None else 0
+        for c in sess.channels:
+            c.close()
         if sess.mapping is not None:
             try:
                 sess.mapping.close()
@@ -407,9 +515,7 @@ class SessionManager:
         return trimmed
 
     def close_all(self, reason: str) -> None:
-        with self._lock:
-            live = list(self.sessions.values())
-        for s in live:
+        for s in self.live_sessions():
             self.close(s, reason)
 
 
@@ -433,45 +539,4 @@ def _check_memfd(fd: int, need: int) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"the staging memfd has {st.st_size} bytes, {need} announced")
 
 
-def scrub(device: ExtentDevice, start: int, nblocks: int, *, always_zero: bool = False) -> tuple[int, int, bool]:
-    """Deallocate ``nblocks`` from ``start`` and make sure they read back as zeroes.
-
-    TRIM first (paper §IV-B).  Where the device does not promise zeroes after a
-    deallocate (NVMe DLFEAT, punched holes), or the deallocate failed, or
-    ``always_zero``: Write Zeroes too, so a later session never reads an
-    earlier one's bytes.  Returns (trimmed bytes, zeroed bytes, safe to reuse).
-    """
-    lba = device.lba_size
-    trimmed = zeroed = 0
-    with Engine(device, 4) as eng:
-        try:
-            eng.discard(start, nblocks)
-            trimmed = nblocks * lba
-        except BladedIOError as e:
-            log.warning("TRIM of LBA [%d, %d) failed: %s", start, start + nblocks, e)
-        if trimmed and device.zeroes_after_discard and not always_zero:
-            return trimmed, 0, True
-        try:
-            eng.write_zeroes(start, nblocks)
-            zeroed = nblocks * lba
-        except BladedIOError as e:
-            log.error("Write Zeroes of LBA [%d, %d) failed: %s", start, start + nblocks, e)
-            return trimmed, 0, False
-    return trimmed, zeroed, True
-
-
-def sweep_pagecache(root: str) -> int:
-    """Remove session directories a previous instance left in ``root``; returns how many."""
-    n = 0
-    try:
-        entries = os.listdir(root)
-    except FileNotFoundError:
-        return 0
-    for name in entries:
-        if name.startswith(SESSION_DIR_PREFIX):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            n += 1
-    return n
-
-
-__all__ = ["Peer", "Session", "SessionManager", "event", "scrub", "sweep_pagecache"]
+__all__ = ["MAX_LAYERS", "Session", "SessionManager"]

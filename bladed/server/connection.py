@@ -1,0 +1,353 @@
+"""One client connection, on its own thread: a control connection (JSON requests) or, after
+``attach``, a data connection serving one channel of a session with binary batched I/O frames.
+
+A data connection runs each request right where it arrives: decode, run the
+ranges on the channel (``Session.execute``), send the reply.  No queue and no
+other thread sits between the client's copy thread and the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from bladed import __version__
+from bladed.io import BladedIOError
+from bladed.protocol import (
+    IO_FORMAT,
+    IO_REQUEST,
+    MAX_FRAME_BYTES,
+    MIN_PROTOCOL_VERSION,
+    OPS,
+    PROTOCOL_VERSION,
+    BadBody,
+    ConnectionClosed,
+    ErrorCode,
+    Frame,
+    FrameError,
+    FrameReader,
+    FrameStream,
+    FrameTooLargeError,
+    RequestError,
+    decode_io_request,
+    encode,
+    encode_io_refusal,
+    encode_io_reply,
+    error_reply,
+    get_field,
+    ok_reply,
+    request_id,
+    send_frame,
+)
+from bladed.server.events import Peer
+
+if TYPE_CHECKING:
+    from bladed.server.daemon import Daemon
+    from bladed.server.session import Session
+
+log = logging.getLogger("bladed")
+
+#: each session costs a ring and a slot per channel: bound what one connection can ask for
+MAX_SESSIONS_PER_CONNECTION = 64
+
+
+def oversize_message(e: FrameTooLargeError) -> str:
+    """The error for a reply that does not fit a frame (docs/protocol.md, "Limits")."""
+    return (f"the reply would be {e.nbytes} bytes, over the {MAX_FRAME_BYTES}-byte frame limit (MAX_FRAME_BYTES; "
+            "see docs/protocol.md, 'Limits')")
+
+
+def refuse(sock: socket.socket, code: ErrorCode, why: str) -> None:
+    """Answer a refused peer's hello (if it sends one promptly) with an error, then close."""
+    req_id = None
+    try:
+        sock.settimeout(1.0)
+        frame = FrameReader(sock, 4096).read()
+        frame.close_fds()
+        req_id = request_id(frame.body)
+    except (OSError, ConnectionClosed, FrameError, BadBody):
+        pass
+    with contextlib.suppress(OSError, ValueError):
+        send_frame(sock, error_reply(req_id, code, why))
+    sock.close()
+
+
+class Connection:
+    """One client connection: its thread, its sessions (control) or its channel (data), its replies."""
+
+    def __init__(self, daemon: Daemon, sock: socket.socket, peer: Peer) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.peer = peer
+        self.sessions: dict[str, Session] = {}
+        self._send_lock = threading.Lock()
+        self._dead = False
+        self.greeted = False
+        self.attached: tuple[Session, int] | None = None
+        self.thread = threading.Thread(target=self._run, name=f"bladed-conn-{peer.pid}", daemon=True)
+
+    # -- sending ------------------------------------------------------------------
+    def send(self, body: dict[str, Any]) -> None:
+        """Send a reply; a peer that does not read (send timeout) or is gone loses its connection.
+
+        A reply too big for a frame (docs/protocol.md, "Limits") becomes an ``internal`` error for
+        that request: the peer keeps its connection.
+        """
+        if self._dead:
+            return
+        try:
+            with self._send_lock:
+                try:
+                    send_frame(self.sock, body)
+                except FrameTooLargeError as e:
+                    log.error("connection of pid %d: reply to request %s not sent: %s", self.peer.pid,
+                              body.get("id"), e)
+                    send_frame(self.sock, error_reply(body.get("id"), ErrorCode.INTERNAL, oversize_message(e)))
+        except (OSError, ValueError) as e:
+            if not self._dead:
+                log.info("connection of pid %d: reply not delivered (%s); closing it", self.peer.pid, e)
+            self.kill()
+
+    def kill(self) -> None:
+        """Stop talking to this peer: the reader sees EOF and tears its sessions down."""
+        self._dead = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def shutdown_read(self) -> None:
+        """Graceful stop: no new requests; the one in progress still completes and is answered."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RD)
+
+    # -- the reader -----------------------------------------------------------------
+    def _run(self) -> None:
+        reader = FrameReader(self.sock, MAX_FRAME_BYTES)
+        reason = "closed"
+        try:
+            while self.attached is None:
+                try:
+                    frame = reader.read()
+                except BadBody as e:
+                    self.daemon.stats.add("bad_requests")
+                    self.send(error_reply(None, ErrorCode.BAD_REQUEST, str(e)))
+                    continue
+                if not self._handle(frame):
+                    reason = "protocol"
+                    break
+            if self.attached is not None:
+                reason = self._serve_data(*self.attached)
+        except ConnectionClosed:
+            reason = "client_gone" if not self.daemon.stopping.is_set() else "shutdown"
+        except FrameError as e:
+            self.daemon.stats.add("bad_requests")
+            log.info("connection of pid %d uid %d: %s; closing it", self.peer.pid, self.peer.uid, e)
+            self.send(error_reply(None, ErrorCode.BAD_FRAME, str(e)))
+            reason = "bad_frame"
+        except OSError as e:  # ECONNRESET when the client is killed
+            reason = "client_gone" if e.errno in (errno.ECONNRESET, errno.EPIPE) else f"error:{e.errno}"
+        except Exception:
+            log.exception("connection of pid %d: unexpected failure", self.peer.pid)
+            reason = "internal_error"
+        finally:
+            self._teardown(reason)
+
+    def _teardown(self, reason: str) -> None:
+        if self.daemon.stopping.is_set():
+            reason = "shutdown"
+        if self.attached is not None:
+            self.attached[0].detach(self)
+        for sess in list(self.sessions.values()):
+            try:
+                self.daemon.manager.close(sess, reason)
+            except Exception:
+                log.exception("teardown of session %s failed", sess.id)
+        self.sessions.clear()
+        self._dead = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.daemon.forget(self)
+
+    def _handle(self, frame: Frame) -> bool:
+        """Dispatch one JSON request; False closes the connection."""
+        body = frame.body
+        req_id = request_id(body)  # echoed in the reply only when valid
+        op: Any = body.get("op")
+        try:
+            # a malformed request is not the first request: it gets bad_request, before or after hello
+            valid_id: int = get_field(body, "id", int)
+            op = get_field(body, "op", str)
+            if not self.greeted:
+                if op != "hello":
+                    self.send(error_reply(req_id, ErrorCode.HANDSHAKE_REQUIRED,
+                                          f"the first request must be 'hello' (got {op!r})"))
+                    return False
+                return self._hello(valid_id, body)
+            if op != "open_session" and frame.fds:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"'{op}' takes no file descriptors")
+            handler = getattr(self, f"_op_{op}", None) if op in OPS else None
+            if handler is None:
+                raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; protocol {PROTOCOL_VERSION} "
+                                                         f"knows {', '.join(OPS)}")
+            self.send(ok_reply(req_id, **handler(body, frame)))
+        except RequestError as e:
+            self.daemon.stats.add("bad_requests")
+            self.send(error_reply(req_id, e.code, e.message))
+        except BladedIOError as e:
+            self.send(error_reply(req_id, ErrorCode.IO_ERROR, str(e)))
+        except Exception as e:
+            log.exception("request %r of pid %d failed", op, self.peer.pid)
+            self.send(error_reply(req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
+        finally:
+            frame.close_fds()
+        return True
+
+    def _hello(self, req_id: int, body: dict[str, Any]) -> bool:
+        try:
+            proto = get_field(body, "protocol", int)
+        except RequestError as e:
+            # a malformed hello is a bad request; the peer may try again on this connection
+            self.daemon.stats.add("bad_requests")
+            self.send(error_reply(req_id, e.code, e.message))
+            return True
+        if not MIN_PROTOCOL_VERSION <= proto <= PROTOCOL_VERSION:
+            self.send(error_reply(req_id, ErrorCode.INCOMPATIBLE_PROTOCOL,
+                                  f"client speaks protocol {proto}; this bladed {__version__} speaks "
+                                  f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION} (upgrade the client or the daemon)"))
+            return False
+        self.greeted = True
+        d = self.daemon
+        self.send(ok_reply(req_id, protocol=PROTOCOL_VERSION, server=f"bladed/{__version__}", pid=os.getpid(),
+                           lba_size=d.device.lba_size, staging_align=d.manager.staging_align,
+                           max_channels=d.cfg.io.max_channels, max_frame_bytes=MAX_FRAME_BYTES,
+                           max_ranges=d.cfg.io.max_outstanding))
+        return True
+
+    def _session(self, body: dict[str, Any]) -> Session:
+        sid = get_field(body, "session", str)
+        sess = self.sessions.get(sid)
+        if sess is None:
+            # sessions of other connections are invisible: a session addresses only its own tensors
+            raise RequestError(ErrorCode.NO_SUCH_SESSION, f"no session {sid!r} on this connection")
+        return sess
+
+    # -- control ops -------------------------------------------------------------------
+    def _op_hello(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        raise RequestError(ErrorCode.BAD_REQUEST, "hello was already exchanged on this connection")
+
+    def _op_open_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        if self.daemon.stopping.is_set():
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "bladed is shutting down")
+        if len(self.sessions) >= MAX_SESSIONS_PER_CONNECTION:
+            raise RequestError(ErrorCode.BUSY, f"{MAX_SESSIONS_PER_CONNECTION} sessions are open on this "
+                                               "connection; close one first")
+        fds, frame.fds = frame.fds, []
+        sess = self.daemon.manager.open(self.peer, body, fds)
+        out = sess.open_reply()
+        try:
+            encode(ok_reply(body["id"], **out))
+        except FrameTooLargeError as e:
+            # MAX_LAYERS is set so that this cannot happen; if it does, the client must not be left
+            # with a session it cannot name
+            log.error("open_session of pid %d: %s; closing session %s", self.peer.pid, e, sess.id)
+            self.daemon.manager.close(sess, "reply_too_large")
+            raise RequestError(ErrorCode.INTERNAL, oversize_message(e)) from None
+        self.sessions[sess.id] = sess
+        return out
+
+    def _op_close_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        sess = self._session(body)
+        del self.sessions[sess.id]
+        self.daemon.manager.close(sess, "closed")
+        return {"session": sess.id}
+
+    def _op_attach(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        """Make this connection the data connection of one channel of a session of this peer."""
+        sid = get_field(body, "session", str)
+        ch = get_field(body, "channel", int)
+        token = get_field(body, "token", str)
+        if self.sessions:
+            raise RequestError(ErrorCode.BAD_REQUEST, "a connection with sessions of its own cannot attach; "
+                                                      "open a new connection for each channel")
+        sess = self.daemon.manager.get(sid)
+        # the same answer whether the session does not exist or is someone else's: no probing
+        if sess is None or sess.peer.uid != self.peer.uid or not hmac.compare_digest(sess.attach_token, token):
+            raise RequestError(ErrorCode.NO_SUCH_SESSION, f"no session {sid!r} with that attach token")
+        sess.channel(ch)
+        sess.attach(self)
+        self.attached = (sess, ch)
+        return {"session": sid, "channel": ch, "format": IO_FORMAT}
+
+    def _op_write(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        return self._json_io("write", body)
+
+    def _op_read(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        return self._json_io("read", body)
+
+    def _json_io(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One range over JSON (simple clients and tools; copy threads use a data connection)."""
+        sess = self._session(body)
+        ch, rng = sess.json_range(op, body)
+        (r,) = sess.execute(ch, [rng], self.daemon.cfg.io.max_outstanding)
+        if r.error is not None:
+            raise RequestError(r.error, r.message)
+        hit = None if r.hit_bytes is None or not r.nbytes else r.hit_bytes / r.nbytes
+        return {"path": r.path, "nbytes": r.nbytes, "service_ns": r.service_ns, "hit_ratio": hit,
+                "started_ns": r.started_ns, "finished_ns": r.finished_ns}
+
+    def _op_status(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        return self.daemon.status()
+
+    def _op_sessions(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        admin = self.daemon.is_admin(self.peer)
+        live = self.daemon.manager.live_sessions()
+        return {"sessions": [s.describe() for s in live if admin or s.peer.uid == self.peer.uid]}
+
+    def _op_stats(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        out = self.daemon.stats.snapshot()
+        out.update(self.daemon.gauges())
+        out["time"] = time.time()
+        return out
+
+    def _op_budget(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        return self.daemon.budget()
+
+    def _op_trim(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        if not self.daemon.is_admin(self.peer):
+            raise RequestError(ErrorCode.PERMISSION_DENIED, f"uid {self.peer.uid} may not trim "
+                                                            "(root or access.admin_uids only)")
+        return self.daemon.trim_region()
+
+    # -- the data path ------------------------------------------------------------------
+    def _serve_data(self, sess: Session, ch: int) -> str:
+        """Serve binary I/O requests for one channel until the peer or the session goes."""
+        stream = FrameStream(self.sock)
+        limit = self.daemon.cfg.io.max_outstanding
+        sock = self.sock
+        while True:
+            try:
+                fmt, body = stream.read()
+            except ConnectionClosed:
+                return "closed" if not sess.closing else "session_closed"
+            if fmt != IO_FORMAT:
+                raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
+            req_id = IO_REQUEST.unpack_from(body)[0] if len(body) >= IO_REQUEST.size else 0
+            try:
+                _, ranges = decode_io_request(body)
+                data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
+            except RequestError as e:
+                self.daemon.stats.add("bad_requests")
+                data = encode_io_refusal(req_id, e.code, e.message)
+            except Exception as e:
+                log.exception("I/O request of pid %d on session %s channel %d failed", self.peer.pid, sess.id, ch)
+                data = encode_io_refusal(req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            sock.sendall(data)
+
+
+__all__ = ["MAX_SESSIONS_PER_CONNECTION", "Connection", "refuse"]

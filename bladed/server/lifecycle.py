@@ -1,0 +1,160 @@
+"""Start-up and teardown of what the daemon holds on storage: opening the device, reclaiming what a
+crashed instance left, and scrubbing freed blocks so no session reads another's bytes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from bladed.config import Config, ConfigError, validate_device
+from bladed.io import BladedIOError, Engine, ExtentDevice, open_device
+from bladed.residency.extents import ExtentAllocator
+from bladed.server.events import event
+from bladed.server.metrics import Stats
+from bladed.server.state import QUARANTINED, Journal, SessionRecord
+from bladed.server.stores.pagecache import sweep_pagecache
+from bladed.server.systemd import sd_notify
+
+log = logging.getLogger("bladed")
+
+#: how long a start-up may spend scrubbing the whole region before systemd gives up on it
+SCRUB_START_TIMEOUT_S = 1800
+
+
+def scrub(device: ExtentDevice, start: int, nblocks: int, *, always_zero: bool = False) -> tuple[int, int, bool]:
+    """Deallocate ``nblocks`` from ``start`` and make sure they read back as zeroes.
+
+    TRIM first (paper §IV-B).  Where the device does not promise zeroes after a
+    deallocate (NVMe DLFEAT, punched holes), or the deallocate failed, or
+    ``always_zero``: Write Zeroes too, so a later session never reads an
+    earlier one's bytes.  Returns (trimmed bytes, zeroed bytes, safe to reuse).
+    """
+    lba = device.lba_size
+    trimmed = zeroed = 0
+    with Engine(device, 4) as eng:
+        try:
+            eng.discard(start, nblocks)
+            trimmed = nblocks * lba
+        except BladedIOError as e:
+            log.warning("TRIM of LBA [%d, %d) failed: %s", start, start + nblocks, e)
+        if trimmed and device.zeroes_after_discard and not always_zero:
+            return trimmed, 0, True
+        try:
+            eng.write_zeroes(start, nblocks)
+            zeroed = nblocks * lba
+        except BladedIOError as e:
+            log.error("Write Zeroes of LBA [%d, %d) failed: %s", start, start + nblocks, e)
+            return trimmed, 0, False
+    return trimmed, zeroed, True
+
+
+def open_store_device(cfg: Config) -> ExtentDevice:
+    """The configured device (``device.*``), checked against the configuration; ConfigError naming the key."""
+    d = cfg.device
+    path = cfg.device_path
+    opts: dict[str, Any] = {}
+    if d.backend == "file":
+        if not os.path.exists(path) and not d.size:
+            raise ConfigError([f"device.path: store file {path} does not exist and device.size is 0"], cfg.source)
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ConfigError([f"device.path: directory {os.path.dirname(path)} does not exist"], cfg.source)
+        opts = {"size_bytes": d.size or None, "lba_size": d.lba_size or 4096, "max_command_bytes": d.max_command_bytes}
+    elif d.backend == "block":
+        opts = {"max_command_bytes": d.max_command_bytes}
+    if d.backend != "file" and not os.path.exists(path):
+        raise ConfigError([f"device.path: {path} does not exist (missing device; check `bladectl ns list`)"],
+                          cfg.source)
+    try:
+        dev = open_device(d.backend, path, **opts)
+    except PermissionError as e:
+        raise ConfigError([f"device.path: no permission to open {path} read-write ({e.strerror})"],
+                          cfg.source) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"device.path: cannot use {path} as a {d.backend} device: {e}"], cfg.source) from None
+    problems = validate_device(cfg, lba_size=dev.lba_size, capacity_blocks=dev.capacity_blocks, path=path)
+    if problems:
+        dev.close()
+        raise ConfigError(problems, cfg.source)
+    return dev
+
+
+def reclaim(cfg: Config, dev: ExtentDevice, allocator: ExtentAllocator, journal: Journal, stats: Stats) -> None:
+    """Scrub what a crashed instance left and remove its page-cache files.
+
+    With a journal of this device and region, only the extents it lists
+    are scrubbed.  Without one (first start, state directory wiped, journal
+    unreadable, or written for another device or region), nothing says
+    which blocks hold an earlier session's KV cache, so the whole region
+    is: a new session must never read bytes it did not write.
+    """
+    start, blocks = allocator.start_lba, allocator.nblocks
+    always_zero = cfg.device.zero_freed == "always"
+    here = {"path": dev.path, "kind": dev.kind, "lba_size": dev.lba_size, "region": [start, blocks]}
+    trimmed = zeroed = reclaimed = 0
+    unscrubbed: list[tuple[int, int]] = []
+    whole_region = ""
+    try:
+        stale, old_device = journal.load_stale()
+    except ValueError as e:
+        log.warning("%s; scrubbing the whole region [%d, %d) to be safe", e, start, start + blocks)
+        stale, old_device, whole_region = [], None, "unreadable_journal"
+    if old_device is None:
+        whole_region = whole_region or "no_journal"
+    elif any(old_device.get(k) != here[k] for k in ("path", "lba_size", "region")):
+        whole_region = "journal_of_another_device_or_region"
+        if stale:
+            log.warning("the journal names sessions on %s; this instance uses %s: not scrubbing them",
+                        old_device, here)
+        stale = []
+    for rec in stale:
+        for s, n in rec.extents:
+            # only inside today's region: blocks outside it may have been given to someone else
+            lo, hi = max(s, start), min(s + n, start + blocks)
+            if hi - lo != n:
+                log.warning("stale extent %d+%d of session %s is not inside the region [%d, %d); "
+                            "scrubbing only the part inside", s, n, rec.id, start, start + blocks)
+            if hi <= lo:
+                continue
+            # TRIM, plus Write Zeroes where the device does not read zeroes after it
+            t, z, safe = scrub(dev, lo, hi - lo, always_zero=always_zero)
+            trimmed, zeroed = trimmed + t, zeroed + z
+            if not safe:
+                log.error("stale extent %d+%d of session %s could be neither deallocated to zeroes nor "
+                          "zeroed; keeping it out of use", lo, hi - lo, rec.id)
+                unscrubbed.append((lo, hi - lo))
+        reclaimed += 1
+        event("session_reclaim", session=rec.id, uid=rec.uid, pid=rec.pid, extents=len(rec.extents),
+              pagecache_dir=rec.pagecache_dir or "none")
+    if whole_region:
+        t0 = time.monotonic()
+        # a deallocate of a whole namespace takes seconds, Write Zeroes of one may take minutes:
+        # ask systemd for more than TimeoutStartSec (systemd >= 236)
+        sd_notify(f"STATUS=scrubbing the region {start}+{blocks} ({whole_region})",
+                  f"EXTEND_TIMEOUT_USEC={SCRUB_START_TIMEOUT_S * 1_000_000}")
+        t, z, safe = scrub(dev, start, blocks, always_zero=always_zero)
+        stats.add("region_scrubbed_bytes", blocks * dev.lba_size)
+        event("region_scrub", reason=whole_region, region=f"{start}+{blocks}", trimmed_bytes=t,
+              zeroed_bytes=z, seconds=f"{time.monotonic() - t0:.3f}")
+        if not safe:
+            raise ConfigError([f"device.path: {dev.path} can neither deallocate the region to zeroes nor "
+                               f"Write-Zero it, and there is no journal saying which blocks hold earlier "
+                               f"sessions' data ({whole_region}); refusing to serve it"], cfg.source)
+    removed = sweep_pagecache(cfg.pagecache_dir)
+    stats.add("trimmed_bytes", trimmed)
+    stats.add("zeroed_bytes", zeroed)
+    stats.add("sessions_reclaimed", reclaimed)
+    if reclaimed or removed or whole_region:
+        event("reclaim", sessions=reclaimed, trimmed_bytes=trimmed, zeroed_bytes=zeroed,
+              pagecache_dirs_removed=removed, whole_region_scrubbed=whole_region or "no")
+    journal.reset(here)
+    for lo, n in unscrubbed:
+        # quarantined until a later start-up manages the scrub; the journal keeps it for that
+        allocator.reserve(lo, n, owner=QUARANTINED)
+        journal.add(SessionRecord(id=f"{QUARANTINED}-{lo}", uid=os.getuid(), pid=os.getpid(),
+                                  mode=QUARANTINED, extents=[(lo, n)]))
+        stats.add("quarantined_bytes", n * dev.lba_size)
+
+
+__all__ = ["SCRUB_START_TIMEOUT_S", "open_store_device", "reclaim", "scrub"]

@@ -1,0 +1,81 @@
+"""The KPU store interface and what a store is handed: validated accesses and a channel's I/O means."""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from bladed.protocol import ErrorCode, IOOp, RangeResult
+
+if TYPE_CHECKING:
+    from bladed.io import Engine, StagingBuffer
+    from bladed.residency.planner import KPU, Path
+
+
+class ChannelIO(Protocol):
+    """What a store uses of the channel serving a request: its ring, its staging slot, its index."""
+
+    index: int
+    engine: Engine
+    slot: StagingBuffer
+
+
+@dataclass(slots=True)
+class Access:
+    """One range of a request, checked against the session and bound to its KPU.
+
+    Bytes ``[offset, offset + nbytes)`` of the KPU (its token rows back to back)
+    and bytes ``[slot_offset, slot_offset + nbytes)`` of the channel's slot.
+    """
+
+    op: IOOp
+    kpu: KPU
+    token_start: int
+    ntokens: int
+    offset: int
+    nbytes: int
+    slot_offset: int
+    result: RangeResult = field(default_factory=RangeResult)
+
+    @property
+    def is_write(self) -> bool:
+        return self.op is IOOp.WRITE
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        self.result.error = code
+        self.result.message = message
+
+    def served(self, path: Path, started_ns: int, hit_bytes: int | None = None) -> None:
+        r = self.result
+        r.path = path.value
+        r.nbytes = self.nbytes
+        r.started_ns = started_ns
+        r.finished_ns = time.monotonic_ns()
+        r.service_ns = r.finished_ns - started_ns
+        r.hit_bytes = hit_bytes
+
+
+class KPUStore(abc.ABC):
+    """A set of KPUs on one I/O path, with everything that path needs to serve them."""
+
+    path: ClassVar[Path]
+
+    @abc.abstractmethod
+    def holds(self, tensor_id: int) -> bool:
+        """Is this KPU in this store?"""
+
+    @abc.abstractmethod
+    def run(self, ch: ChannelIO, accesses: list[Access]) -> None:
+        """Serve ``accesses`` (all of them KPUs of this store) on ``ch``; fill in each one's result.
+
+        Never raises for what one access did wrong: that access's result says so.
+        """
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, object]:
+        """What the store holds, for ``sessions`` and the logs."""
+
+
+__all__ = ["Access", "ChannelIO", "KPUStore"]

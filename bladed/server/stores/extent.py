@@ -1,0 +1,388 @@
+"""The NVMe-direct path: the session's contiguous LBA extent, driven through the channel's io_uring.
+
+Layout (Eq. 3-6): the direct-path KPUs are bound back to back from the
+extent's first LBA, each taking ``ceil(max_tokens * token_bytes / LBA)``
+blocks.  Inside a KPU the token rows are *packed*: token ``t`` is bytes
+``[t * token_bytes, (t + 1) * token_bytes)`` of the KPU, whatever the LBA
+size.  When a token row is a whole number of LBAs (the §IV-B precondition)
+every token range is whole LBAs and Algorithm 2 maps it straight to
+``(slba, bytes)``.  Otherwise a range starts and/or ends inside an LBA (an
+*edge*): the store assembles the edge LBAs in a per-channel scratch buffer
+from the new bytes plus what the LBA already holds, and writes whole LBAs.
+
+What an edge LBA already holds comes, in order of preference, from
+
+* the KPU's *tail*: the daemon keeps a copy of each KPU's last, partly
+  filled LBA, so a decode-step append (the common case) and the last LBA of a
+  read never touch the device for it;
+* nothing: bytes at or past the KPU's fill mark were never written and are
+  zero on the device (blocks are scrubbed before they are handed out, and the
+  store writes zeroes past the new bytes of a fresh LBA);
+* a read of that LBA (read-modify-write; only for writes inside data already
+  written, never for appends).
+
+The middle of a range (its whole LBAs) moves by DMA straight between the
+device and the client's staging slot (Co-DMA, §IV-B) when the slot offset has
+the same alignment as the KPU offset (always true for the default, mirrored
+slot layout); otherwise it goes through a bounce buffer.  All commands of a
+request are submitted to the channel's ring together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from bladed.io import BladedIOError, Op, StagingBuffer, Transfer
+from bladed.io.pagecache import PageCacheFile
+from bladed.protocol import ErrorCode
+from bladed.residency.extents import Extent, ExtentMap
+from bladed.residency.geometry import PAGE_SIZE, align_up
+from bladed.residency.planner import KPU, Path, Plan
+from bladed.server.stores.base import Access, ChannelIO, KPUStore
+
+#: bounce buffer for ranges whose slot offset is not aligned like their KPU offset, and for demotion copies
+BOUNCE_BYTES = 1 << 20
+#: edge LBAs one channel's scratch holds before it grows (two per range of a request)
+EDGE_LBAS = 16
+
+
+@dataclass
+class _Tail:
+    """Per-KPU state: how far it is filled, and a copy of its last, partly filled LBA."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    fill: int = 0              # bytes [0, fill) of the KPU have been written (the highest end so far)
+    block: int = -1            # KPU-relative index of the cached LBA (-1: none)
+    data: bytearray = field(default_factory=bytearray)
+
+    def forget(self) -> None:
+        self.block = -1
+
+
+@dataclass
+class _Edge:
+    """One edge LBA of an access, assembled or read in the channel's scratch."""
+
+    block: int                 # KPU-relative LBA index
+    scratch: int               # byte offset of its copy in the scratch
+    lo: int                    # the access's bytes inside this LBA: [lo, hi) relative to the LBA
+    hi: int
+    from_tail: bool = False    # a read served from the tail copy (no device command)
+
+
+class ExtentKPUStore(KPUStore):
+    """The direct-path KPUs of one session on its extent (the packed layout above)."""
+
+    path: ClassVar[Path] = Path.DIRECT
+
+    def __init__(self, plan: Plan, extent: Extent | None, channels: int) -> None:
+        self.lba = plan.lba_size
+        self.token_bytes = plan.geometry.token_bytes
+        self.map = ExtentMap(plan, extent)
+        self._kpus = {k.tensor_id: k for k in plan.direct_kpus()}
+        self._tails = {t: _Tail() for t in self._kpus}
+        self._scratch: list[StagingBuffer | None] = [None] * channels
+        self._bounce: list[StagingBuffer | None] = [None] * channels
+        self._lock = threading.Lock()
+        self.rmw_reads = 0      # edge LBAs read back before a write (writes inside written data)
+        self.tail_hits = 0      # edge LBAs served from the tail copy
+
+    @property
+    def extent(self) -> Extent | None:
+        return self.map.extent
+
+    def holds(self, tensor_id: int) -> bool:
+        return tensor_id in self._kpus
+
+    @property
+    def kpu_count(self) -> int:
+        return len(self._kpus)
+
+    def fill(self, tensor_id: int) -> int:
+        """Bytes of the KPU written so far (the highest end)."""
+        return self._tails[tensor_id].fill
+
+    # -- per-channel buffers ----------------------------------------------------------
+    def prepare(self) -> None:
+        """Map every channel's edge scratch now (before a KPU is moved here: MemoryError refuses the move)."""
+        if not self.map.plan.aligned:
+            for ch in range(len(self._scratch)):
+                self._scratch_for(ch, 2)
+
+    def _scratch_for(self, ch: int, lbas: int) -> StagingBuffer:
+        buf = self._scratch[ch]
+        need = lbas * self.lba
+        if buf is None or buf.nbytes < need:
+            buf = StagingBuffer(align_up(max(need, EDGE_LBAS * self.lba), PAGE_SIZE))
+            old, self._scratch[ch] = self._scratch[ch], buf
+            if old is not None:
+                old.close()
+        return buf
+
+    def _bounce_for(self, ch: int) -> StagingBuffer:
+        buf = self._bounce[ch]
+        if buf is None:
+            buf = self._bounce[ch] = StagingBuffer(max(BOUNCE_BYTES, 2 * self.lba))
+        return buf
+
+    # -- serving -------------------------------------------------------------------------
+    def run(self, ch: ChannelIO, accesses: list[Access]) -> None:
+        """Serve the accesses (at most one per KPU) with all their commands submitted together."""
+        accesses = sorted(accesses, key=lambda a: a.kpu.tensor_id)   # lock order
+        tails = [self._tails[a.kpu.tensor_id] for a in accesses]
+        for t in tails:
+            t.lock.acquire()
+        try:
+            fast: list[Access] = []
+            slow: list[Access] = []
+            for a in accesses:
+                aligned_slot = (a.slot_offset - a.offset) % self.lba == 0
+                (fast if aligned_slot else slow).append(a)
+            if fast:
+                self._run_fast(ch, fast)
+            for a in slow:
+                self._run_bounced(ch, a)
+        finally:
+            for t in tails:
+                t.lock.release()
+
+    def _run_fast(self, ch: ChannelIO, accesses: list[Access]) -> None:
+        L = self.lba
+        eng, slot = ch.engine, ch.slot
+        started = time.monotonic_ns()
+        nedges = sum(2 for a in accesses if a.offset % L or (a.offset + a.nbytes) % L)
+        try:
+            scratch = self._scratch_for(ch.index, nedges) if nedges else None
+        except MemoryError as no_memory:
+            for a in accesses:
+                a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: no memory for the edge "
+                                           f"LBAs of {len(accesses)} ranges ({no_memory}); send fewer ranges per "
+                                           "request")
+            return
+        plans: list[tuple[Access, int, list[_Edge]]] = []
+        rmw: list[tuple[int, Transfer]] = []           # (access index, read of an edge to complete)
+        used = 0
+        for i, a in enumerate(accesses):
+            base = self.map.lookup(a.kpu.tensor_id)[0]
+            tail = self._tails[a.kpu.tensor_id]
+            edges = self._edges(a, used)
+            used += len(edges) * L
+            plans.append((a, base, edges))
+            if not edges:
+                continue
+            assert scratch is not None
+            sv = scratch.view()
+            for e in edges:
+                if not a.is_write:
+                    if e.block == tail.block:
+                        sv[e.scratch:e.scratch + L] = tail.data
+                        e.from_tail = True
+                        self.tail_hits += 1
+                    continue
+                # a write: what the LBA holds outside [lo, hi) must be kept
+                if e.lo == 0 and e.hi == L:
+                    continue
+                if e.block == tail.block:
+                    sv[e.scratch:e.scratch + L] = tail.data
+                    self.tail_hits += 1
+                elif e.block * L >= tail.fill:
+                    ctypes.memset(scratch.address + e.scratch, 0, L)   # never written: zero on the device
+                else:
+                    self.rmw_reads += 1
+                    rmw.append((i, eng.transfer(Op.READ, base + e.block, scratch, offset=e.scratch, nbytes=L)))
+        failed: dict[int, BladedIOError] = {}
+        if rmw:
+            eng.run([x for _, x in rmw], check=False)
+            for i, x in rmw:
+                err = x.error()
+                if err is not None:
+                    failed.setdefault(i, err)
+        # every command of the request in one go: the device sees the whole batch
+        xfers: list[tuple[int, Transfer]] = []
+        for i, (a, base, edges) in enumerate(plans):
+            if i in failed:
+                continue
+            op = Op.WRITE if a.is_write else Op.READ
+            if scratch is not None and a.is_write:
+                sv = scratch.view()
+                for e in edges:
+                    src = a.slot_offset + (e.block * L + e.lo - a.offset)
+                    sv[e.scratch + e.lo:e.scratch + e.hi] = slot.view(src, e.hi - e.lo)
+            for e in edges:
+                if not e.from_tail:
+                    assert scratch is not None
+                    xfers.append((i, eng.transfer(op, base + e.block, scratch, offset=e.scratch, nbytes=L)))
+            m0, m1 = -(-a.offset // L), (a.offset + a.nbytes) // L
+            if m1 > m0:
+                # Algorithm 2 for a box of whole token rows: slba = start + offset / LBA (line 5)
+                xfers.append((i, eng.transfer(op, base + m0, slot, offset=a.slot_offset + m0 * L - a.offset,
+                                              nbytes=(m1 - m0) * L)))
+        if xfers:
+            eng.run([x for _, x in xfers], check=False)
+            for i, x in xfers:
+                err = x.error()
+                if err is not None:
+                    failed.setdefault(i, err)
+        for i, (a, _base, edges) in enumerate(plans):
+            tail = self._tails[a.kpu.tensor_id]
+            if i in failed:
+                if a.is_write:
+                    tail.forget()   # what the edge LBAs hold is unknown now: read them back next time
+                    tail.fill = max(tail.fill, a.offset + a.nbytes)
+                a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {failed[i]}")
+                continue
+            if a.is_write:
+                self._after_write(tail, a, edges, scratch)
+            elif edges:
+                assert scratch is not None
+                sv = scratch.view()
+                for e in edges:
+                    dst = a.slot_offset + (e.block * L + e.lo - a.offset)
+                    slot.view(dst, e.hi - e.lo)[:] = sv[e.scratch + e.lo:e.scratch + e.hi]
+            a.served(Path.DIRECT, started)
+
+    def _edges(self, a: Access, scratch_at: int) -> list[_Edge]:
+        """The access's LBAs that it covers only in part (none when the §IV-B precondition holds)."""
+        L = self.lba
+        o0, o1 = a.offset, a.offset + a.nbytes
+        first, last = o0 // L, (o1 - 1) // L
+        edges = []
+        if o0 % L:
+            edges.append(_Edge(first, scratch_at, o0 - first * L, min(L, o1 - first * L)))
+        if o1 % L and (last != first or not o0 % L):
+            edges.append(_Edge(last, scratch_at + len(edges) * L, max(0, o0 - last * L), o1 - last * L))
+        return edges
+
+    def _after_write(self, tail: _Tail, a: Access, edges: list[_Edge], scratch: StagingBuffer | None) -> None:
+        """Keep the fill mark and the tail copy in step with what the device now holds."""
+        L = self.lba
+        end = a.offset + a.nbytes
+        if end >= tail.fill:
+            tail.fill = end
+            tail.block = -1
+            if end % L:
+                last = edges[-1]
+                assert scratch is not None and last.block == (end - 1) // L
+                tail.block = last.block
+                tail.data = bytearray(scratch.view(last.scratch, L))
+        elif tail.block >= 0:
+            for e in edges:
+                if e.block == tail.block:
+                    assert scratch is not None
+                    tail.data[:] = scratch.view(e.scratch, L)
+
+    def _run_bounced(self, ch: ChannelIO, a: Access) -> None:
+        """A range whose slot offset is not aligned like its KPU offset: whole LBAs through the bounce buffer."""
+        L = self.lba
+        started = time.monotonic_ns()
+        eng, slot = ch.engine, ch.slot
+        tail = self._tails[a.kpu.tensor_id]
+        base = self.map.lookup(a.kpu.tensor_id)[0]
+        try:
+            bounce = self._bounce_for(ch.index)
+        except MemoryError as e:
+            a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: no memory for a bounce "
+                                       f"buffer ({e}); use a slot offset aligned like the token offset")
+            return
+        bv = bounce.view()
+        o0, o1 = a.offset, a.offset + a.nbytes
+        per = bounce.nbytes // L
+        b = o0 // L
+        try:
+            while b * L < o1:
+                k = min(per, -(-(o1 - b * L) // L))                # whole LBAs [b, b + k) in this piece
+                lo, hi = max(o0, b * L), min(o1, (b + k) * L)      # the access's KPU bytes among them
+                rel, src = lo - b * L, a.slot_offset + lo - o0
+                if not a.is_write:
+                    eng.read(base + b, bounce, nbytes=k * L)
+                    slot.view(src, hi - lo)[:] = bv[rel:rel + hi - lo]
+                else:
+                    if lo > b * L or hi < (b + k) * L:             # partly covered: keep what else is there
+                        if b * L >= tail.fill:
+                            ctypes.memset(bounce.address, 0, k * L)
+                        else:
+                            self.rmw_reads += 1
+                            eng.read(base + b, bounce, nbytes=k * L)
+                    bv[rel:rel + hi - lo] = slot.view(src, hi - lo)
+                    eng.write(base + b, bounce, nbytes=k * L)
+                    if b <= tail.block < b + k:
+                        tail.data[:] = bv[(tail.block - b) * L:(tail.block - b + 1) * L]
+                    if hi == o1 and o1 >= tail.fill:
+                        tail.fill, tail.block = o1, -1
+                        if o1 % L:
+                            last = (o1 - 1) // L
+                            tail.block, tail.data = last, bytearray(bv[(last - b) * L:(last - b + 1) * L])
+                b += k
+        except BladedIOError as e:
+            if a.is_write:
+                tail.forget()
+                tail.fill = max(tail.fill, o1)
+            a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {e}")
+            return
+        a.served(Path.DIRECT, started)
+
+    # -- live demotion -----------------------------------------------------------------------
+    def adopt(self, kpu: KPU, source: PageCacheFile, filled: int, ch: ChannelIO,
+              room: Callable[[int], Extent]) -> int:
+        """Move one KPU here from its page-cache file: bind it after the last KPU, copy its ``filled`` bytes.
+
+        ``room(nblocks)`` returns the session's extent with room for ``nblocks``
+        more blocks after the last bound KPU (allocating or growing it).  An
+        earlier try that bound the KPU but failed to copy reuses its LBAs.
+        Raises (OSError, BladedIOError, MemoryError, RegionFullError) on failure,
+        with nothing of the KPU served from here yet.  Returns the bytes copied.
+        """
+        L = self.lba
+        self.prepare()
+        with contextlib.ExitStack() as stack:
+            # the copy buffer first: no memory refuses the move before any LBA is bound
+            buf = stack.enter_context(StagingBuffer(min(align_up(filled, L), BOUNCE_BYTES))) if filled else None
+            with self._lock:
+                if kpu.tensor_id in self.map:
+                    slba = self.map.lookup(kpu.tensor_id)[0]
+                else:
+                    self.map.extent = room(kpu.padded_bytes // L)
+                    slba, _ = self.map.add(kpu)
+            tail = _Tail(fill=filled)
+            if buf is not None:
+                per = buf.nbytes
+                for off in range(0, filled, per):
+                    n = min(per, filled - off)
+                    source.read_into(buf, off, n)
+                    whole = align_up(n, L)
+                    if whole > n:
+                        ctypes.memset(buf.address + n, 0, whole - n)   # past the fill: zero, as on a fresh LBA
+                    ch.engine.write(slba + off // L, buf, nbytes=whole)
+                    if off + n == filled and filled % L:
+                        last = (filled - 1) // L
+                        tail.block, tail.data = last, bytearray(buf.view((last - off // L) * L, L))
+        with self._lock:
+            self._kpus[kpu.tensor_id] = kpu
+            self._tails[kpu.tensor_id] = tail
+        return filled
+
+    def describe(self) -> dict[str, object]:
+        ext = self.map.extent
+        return {"kpus": len(self._kpus), "extent": None if ext is None else {"start": ext.start,
+                                                                               "nblocks": ext.nblocks},
+                "bytes": sum(k.padded_bytes for k in self._kpus.values()),
+                "tail_hits": self.tail_hits, "rmw_reads": self.rmw_reads}
+
+    def close(self) -> Extent | None:
+        """Free the buffers; return the extent for the caller to scrub and free."""
+        for bufs in (self._scratch, self._bounce):
+            for i, b in enumerate(bufs):
+                if b is not None:
+                    b.close()
+                    bufs[i] = None
+        ext, self.map.extent = self.map.extent, None
+        return ext
+
+
+__all__ = ["BOUNCE_BYTES", "ExtentKPUStore"]
