@@ -22,6 +22,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladed.protocol import MAX_RANGES
+
 EMBEDDED_STATE_DIR = "var/bladed"
 SYSTEM_CONFIG = "/etc/bladed/bladed.toml"
 BACKENDS = ("file", "block", "nvme")
@@ -92,7 +94,7 @@ class IOConfig:
     queue_depth: int = 32
     #: most worker channels (copy threads) one session may open
     max_channels: int = 8
-    #: most requests queued on one channel before new ones get a ``busy`` error
+    #: most ranges one I/O request may carry (``max_ranges`` in the hello reply)
     max_outstanding: int = 256
     #: a reply that cannot be sent within this time closes the connection
     send_timeout_s: float = 30.0
@@ -406,8 +408,8 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"io.queue_depth: must be within 1..4096, got {io.queue_depth}")
     if not 1 <= io.max_channels <= 64:
         p.append(f"io.max_channels: must be within 1..64, got {io.max_channels}")
-    if io.max_outstanding < 1:
-        p.append(f"io.max_outstanding: must be >= 1, got {io.max_outstanding}")
+    if not 1 <= io.max_outstanding <= MAX_RANGES:
+        p.append(f"io.max_outstanding: must be 1..{MAX_RANGES} (ranges per I/O request), got {io.max_outstanding}")
     if io.max_staging_bytes < 4096:
         p.append(f"io.max_staging_bytes: must be at least 4096, got {io.max_staging_bytes}")
     if io.send_timeout_s <= 0:

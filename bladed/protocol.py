@@ -36,7 +36,7 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 #: version of the request/reply vocabulary; bumped on any incompatible change
 #: (2: data connections with binary batched I/O frames, ``attach``)
@@ -354,10 +354,10 @@ _ERROR_BY_INDEX = tuple(ErrorCode)
 _PATH_CODES = {None: 0, "pagecache": 1, "direct": 2}
 _PATH_NAMES = (None, "pagecache", "direct")
 _U16 = struct.Struct("<H")
+_IO_OPS = {int(op): op for op in IOOp}
 
 
-@dataclass(frozen=True, slots=True)
-class IORange:
+class IORange(NamedTuple):
     """Tokens ``[token_start, token_start + ntokens)`` of tensor ``tensor_id`` <-> the channel's slot.
 
     ``slot_offset`` is where the range's first token sits in the slot; the default
@@ -418,10 +418,12 @@ def decode_io_request(body: bytes | memoryview) -> tuple[int, list[IORange]]:
         raise RequestError(ErrorCode.BAD_REQUEST, f"I/O request of {n} ranges must be "
                                                   f"{IO_REQUEST.size + n * IO_RANGE.size} bytes, got {len(body)}")
     out = []
+    ops = _IO_OPS
     for i, (op, tid, t0, nt, so) in enumerate(IO_RANGE.iter_unpack(memoryview(body)[IO_REQUEST.size:])):
-        if op not in (1, 2):
+        kind = ops.get(op)
+        if kind is None:
             raise RequestError(ErrorCode.BAD_REQUEST, f"range {i}: op must be 1 (write) or 2 (read), got {op}")
-        out.append(IORange(IOOp(op), tid, t0, nt, so))
+        out.append(IORange(kind, tid, t0, nt, so))
     return req_id, out
 
 
@@ -471,39 +473,58 @@ def decode_io_reply(body: bytes | memoryview) -> tuple[int, ErrorCode | None, st
 
 
 class FrameStream:
-    """Exact frame reads on a data connection: two ``recv_into`` calls per frame, no descriptors."""
+    """Frame reads on a data connection: one ``recv_into`` per frame when the peer sent it in one piece.
+
+    Bytes that arrive beyond the current frame (a pipelined request) stay in
+    the buffer for the next :meth:`read`.  No descriptors on these connections.
+    """
 
     def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self.sock = sock
         self.max_bytes = max_bytes
-        self._head = bytearray(HEADER.size)
         self._buf = bytearray(64 * 1024)
+        self._view = memoryview(self._buf)
+        self._start = 0     # first byte not yet handed out
+        self._end = 0       # one past the last byte received
 
-    def _fill(self, view: memoryview, n: int, *, at_boundary: bool) -> None:
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:n], n - got, socket.MSG_WAITALL)
-            if k == 0:
-                if got == 0 and at_boundary:
-                    raise ConnectionClosed()
-                raise FrameError(f"connection closed in the middle of a frame ({got} of {n} bytes)")
-            got += k
+    def _more(self, *, at_boundary: bool) -> None:
+        if self._end == len(self._buf):
+            # make room: move what is left of the current frame to the front
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start:self._end]
+            self._start, self._end = 0, n
+        got = self.sock.recv_into(self._view[self._end:])
+        if got == 0:
+            if at_boundary and self._start == self._end:
+                raise ConnectionClosed()
+            raise FrameError(f"connection closed in the middle of a frame ({self._end - self._start} bytes)")
+        self._end += got
 
     def read(self) -> tuple[int, memoryview]:
         """``(format, body)`` of the next frame; the body view is valid until the next read."""
-        self._fill(memoryview(self._head), HEADER.size, at_boundary=True)
-        magic, fmt, _flags, length = HEADER.unpack(self._head)
+        if self._start == self._end:
+            self._start = self._end = 0
+        while self._end - self._start < HEADER.size:
+            self._more(at_boundary=True)
+        magic, fmt, _flags, length = HEADER.unpack_from(self._buf, self._start)
         if magic != MAGIC:
             raise FrameError(f"bad frame magic {bytes(magic)!r} (not a bladed peer?)")
         if fmt not in (JSON_FORMAT, IO_FORMAT):
             raise FrameError(f"frame format {fmt} not supported (this side speaks {JSON_FORMAT} and {IO_FORMAT})")
         if length > self.max_bytes:
             raise FrameError(f"frame of {length} bytes exceeds the {self.max_bytes}-byte limit")
-        if length > len(self._buf):
-            self._buf = bytearray(length)
-        view = memoryview(self._buf)[:length]
-        self._fill(view, length, at_boundary=False)
-        return fmt, view
+        need = HEADER.size + length
+        if need > len(self._buf):
+            grown = bytearray(need)
+            n = self._end - self._start
+            grown[:n] = self._buf[self._start:self._end]
+            self._buf, self._view = grown, memoryview(grown)
+            self._start, self._end = 0, n
+        while self._end - self._start < need:
+            self._more(at_boundary=False)
+        at = self._start + HEADER.size
+        self._start += need
+        return fmt, self._view[at:at + length]
 
 
 # -- request field checking ---------------------------------------------------

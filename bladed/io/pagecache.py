@@ -152,22 +152,32 @@ class PageCacheFile:
             raise OutOfRangeError(errno.ERANGE,
                                   f"{self.path}: range [{offset}, {offset + nbytes}) outside {self.nbytes} bytes")
 
-    @contextlib.contextmanager
-    def _use(self) -> Iterator[None]:
-        """Keep the mapping alive (against a concurrent close) while the caller copies."""
+    def _enter(self) -> None:
+        """Keep the mapping alive (against a concurrent close) until :meth:`_leave`."""
         with self._lock:
             if self._closed:
                 raise BladedIOError(errno.EBADF, f"{self.path}: file is closed")
             if self._mm is None:
                 self._materialize()
             self._users += 1
+
+    def _leave(self, read: int = 0, hit: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self._users -= 1
+            self.bytes_read += read
+            self.bytes_hit += hit
+            self.bytes_written += written
+            if self._users == 0 and self._closed:
+                self._idle.notify_all()
+
+    @contextlib.contextmanager
+    def _use(self) -> Iterator[None]:
+        """:meth:`_enter` ... :meth:`_leave` as a context (for the paths that are not per request)."""
+        self._enter()
         try:
             yield
         finally:
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    self._idle.notify_all()
+            self._leave()
 
     def residency(self, offset: int = 0, nbytes: int | None = None) -> float:
         """Fraction of the pages of ``[offset, offset + nbytes)`` now in the page cache."""
@@ -204,7 +214,9 @@ class PageCacheFile:
         """
         self._bounds(file_offset, nbytes)
         addr, keep = _address(dst, nbytes, dst_offset, writable=True)
-        with self._use():
+        self._enter()
+        ratio = 1.0
+        try:
             assert self._mm is not None
             ratio = self._residency(file_offset, nbytes, _pages(file_offset, nbytes)) if nbytes else 1.0
             if ratio < 1.0:
@@ -213,11 +225,10 @@ class PageCacheFile:
                 with contextlib.suppress(OSError):
                     self._mm.madvise(mmap.MADV_WILLNEED, start, file_offset + nbytes - start)
             ctypes.memmove(addr, self._base + file_offset, nbytes)
+        finally:
+            hit = round(ratio * nbytes)
+            self._leave(read=nbytes, hit=hit)
         del keep
-        hit = round(ratio * nbytes)
-        with self._lock:
-            self.bytes_read += nbytes
-            self.bytes_hit += hit
         self.store._account(read=nbytes, hit=hit)
         return ratio
 
@@ -225,11 +236,12 @@ class PageCacheFile:
         """Copy ``nbytes`` from ``src`` (StagingBuffer, buffer or address) into the file."""
         self._bounds(file_offset, nbytes)
         addr, keep = _address(src, nbytes, src_offset, writable=False)
-        with self._use():
+        self._enter()
+        try:
             ctypes.memmove(self._base + file_offset, addr, nbytes)
+        finally:
+            self._leave(written=nbytes)
         del keep
-        with self._lock:
-            self.bytes_written += nbytes
         self.store._account(written=nbytes)
 
     def drop(self, offset: int = 0, nbytes: int | None = None) -> None:

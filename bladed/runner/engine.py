@@ -136,7 +136,12 @@ class Runner:
         return {k: v.to(self.device, non_blocking=True) for k, v in self._lw_host[j].items()}
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, gen_len: int, eos_token_id: int | None = None) -> GenerationResult:
+    def generate(self, input_ids: torch.Tensor, gen_len: int, eos_token_id: int | None = None,
+                 on_step: Callable[[int, float], None] | None = None) -> GenerationResult:
+        """Greedy generation of up to ``gen_len`` tokens (fewer when every sequence produced ``eos_token_id``).
+
+        ``on_step(tokens_done, step_seconds)`` is called after each step (the first is the prefill).
+        """
         pol, m, cfg = self.policy, self.model, self.model.cfg
         nb, gbs = pol.num_gpu_batches, pol.gpu_batch_size
         if input_ids.shape[0] != nb * gbs:
@@ -265,6 +270,8 @@ class Runner:
                 if cuda:
                     torch.cuda.synchronize(dev)
                 steps.append(time.perf_counter() - t_step)
+                if on_step is not None:
+                    on_step(i + 1, steps[-1])
                 if eos_token_id is not None:
                     finished = finished | (tok.cpu() == eos_token_id)
                     if bool(finished.all()):

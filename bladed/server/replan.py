@@ -60,8 +60,8 @@ class LiveState:
     def __init__(self, sess: Session) -> None:
         self.sess = sess
         self.replanner: LiveReplanner | None = None
-        self._cond = threading.Condition()
-        self._room = threading.Lock()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.pending: dict[int, KPU] = {}
         self.target: Plan | None = None           # the plan once every pending demotion is done
         self._moving: set[int] = set()
@@ -74,7 +74,7 @@ class LiveState:
 
     def wrote(self, tensor_id: int, end_token: int) -> None:
         """Record a write up to ``end_token`` (called by the channel after the write)."""
-        with self._cond:
+        with self._lock:
             if end_token > self.filled.get(tensor_id, 0):
                 self.filled[tensor_id] = end_token
 
@@ -97,6 +97,35 @@ class LiveState:
             return r.demoted
 
     # -- the operation boundary ----------------------------------------------------------
+    def begin_all(self, tensor_ids: list[int], channel: Channel) -> list[KPU]:
+        """Count one op in flight on each KPU of a request, after carrying out their pending demotions.
+
+        The counts are taken together, once none of the KPUs is pending or moving: a
+        request never holds a count while it waits, so two requests and a demotion
+        cannot wait on each other.  Returns the KPUs as the session's plan now has them.
+        """
+        while True:
+            with self._lock:
+                blocked = [t for t in tensor_ids if t in self._moving or t in self.pending]
+                if not blocked:
+                    inflight = self._inflight
+                    for t in tensor_ids:
+                        inflight[t] += 1
+                    plan = self.sess.plan
+                    return [plan.kpu(t) for t in tensor_ids]
+            for t in blocked:
+                self.begin(t, channel, serve=False)
+
+    def end_all(self, tensor_ids: list[int]) -> None:
+        with self._lock:
+            inflight = self._inflight
+            for t in tensor_ids:
+                inflight[t] -= 1
+                if not inflight[t]:
+                    del inflight[t]
+            if self._moving:
+                self._cond.notify_all()
+
     def begin(self, tensor_id: int, channel: Channel, *, serve: bool = True) -> KPU:
         """Carry out a pending demotion of ``tensor_id`` first, on ``channel`` (the calling worker).
 

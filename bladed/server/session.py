@@ -218,22 +218,20 @@ class Session:
                 raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is closing")
             t0 = time.monotonic_ns()
             live = self.live
-            accesses: list[Access] = []
+            tids = [r.tensor_id for r, _, _, _ in checked]
+            # pending live demotions of these KPUs are carried out first (bladed.server.replan)
+            kpus = live.begin_all(tids, ch)
             try:
-                for r, off, n, so in checked:
-                    # a pending live demotion of this KPU is carried out first (bladed.server.replan)
-                    kpu = live.begin(r.tensor_id, ch)
-                    accesses.append(Access(r.op, kpu, r.token_start, r.ntokens, off, n, so))
+                accesses = [Access(r.op, kpu, r.token_start, r.ntokens, off, n, so)
+                            for (r, off, n, so), kpu in zip(checked, kpus, strict=True)]
                 pc = [a for a in accesses if a.kpu.path is Path.PAGECACHE]
-                direct = [a for a in accesses if a.kpu.path is Path.DIRECT]
                 if pc:
                     pagecache.run(ch, pc)
-                if direct:
-                    extent_store.run(ch, direct)
+                if len(pc) < len(accesses):
+                    extent_store.run(ch, [a for a in accesses if a.kpu.path is Path.DIRECT])
                 self._after(ch, accesses)
             finally:
-                for a in accesses:
-                    live.end(a.kpu.tensor_id)
+                live.end_all(tids)
             ch.busy_ns += time.monotonic_ns() - t0
             ch.ops += len(accesses)
         return [a.result for a in accesses]

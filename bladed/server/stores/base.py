@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from bladed.protocol import ErrorCode, IOOp, RangeResult
@@ -22,7 +21,6 @@ class ChannelIO(Protocol):
     slot: StagingBuffer
 
 
-@dataclass(slots=True)
 class Access:
     """One range of a request, checked against the session and bound to its KPU.
 
@@ -30,14 +28,22 @@ class Access:
     and bytes ``[slot_offset, slot_offset + nbytes)`` of the channel's slot.
     """
 
-    op: IOOp
-    kpu: KPU
-    token_start: int
-    ntokens: int
-    offset: int
-    nbytes: int
-    slot_offset: int
-    result: RangeResult = field(default_factory=RangeResult)
+    __slots__ = ("kpu", "nbytes", "ntokens", "offset", "op", "result", "slot_offset", "token_start")
+
+    def __init__(self, op: IOOp, kpu: KPU, token_start: int, ntokens: int, offset: int, nbytes: int,
+                 slot_offset: int) -> None:
+        self.op = op
+        self.kpu = kpu
+        self.token_start = token_start
+        self.ntokens = ntokens
+        self.offset = offset
+        self.nbytes = nbytes
+        self.slot_offset = slot_offset
+        self.result = RangeResult()
+
+    def __repr__(self) -> str:
+        return (f"<Access {self.op.name.lower()} {self.kpu.name} tokens {self.token_start}+{self.ntokens} "
+                f"slot {self.slot_offset} {self.result}>")
 
     @property
     def is_write(self) -> bool:
