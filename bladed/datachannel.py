@@ -110,7 +110,12 @@ class DataChannel:
         except (FrameError, OSError) as e:
             raise self._fail(self._lost_error(str(e))) from None
         if fmt != IO_FORMAT:
-            raise self._fail(ProtocolError("a JSON frame on a data connection"))
+            # the daemon says why it is closing the connection (bad_frame), in JSON
+            try:
+                err = error_from_reply(json.loads(bytes(body)))
+            except ValueError:
+                err = ProtocolError("a JSON frame on a data connection")
+            raise self._fail(err)
         req_id, refused, message, results = decode_io_reply(body)
         if req_id != want:
             raise self._fail(ProtocolError(f"reply to request {req_id} while waiting for {want}"))

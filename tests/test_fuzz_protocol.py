@@ -38,6 +38,9 @@ from bladed.client import MODES, Client
 from bladed.protocol import (
     FRAME_FORMAT,
     HEADER,
+    IO_FORMAT,
+    IO_RANGE,
+    IO_REQUEST,
     MAGIC,
     MAX_FDS,
     MAX_FRAME_BYTES,
@@ -47,6 +50,7 @@ from bladed.protocol import (
     ErrorCode,
     FrameError,
     FrameReader,
+    decode_io_reply,
     encode,
     send_frame,
 )
@@ -618,4 +622,49 @@ def test_every_accepted_open_session_gets_a_well_formed_reply_that_fits_a_frame(
         assert reader.read().body["ok"]  # the connection is still usable
     finally:
         sock.close()
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+# -- binary I/O requests on a data connection -----------------------------------------------------------
+U32 = st.one_of(st.sampled_from([0, 1, 7, 8, 9, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
+U64 = st.one_of(st.sampled_from([0, TOKEN, SLOT - 1, SLOT, 2 * SLOT, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
+
+
+@st.composite
+def io_bodies(draw: st.DrawFn) -> bytes:
+    """A binary I/O request body: mostly well laid out with hostile values, sometimes cut or padded."""
+    n = draw(st.integers(0, 6))
+    head = IO_REQUEST.pack(draw(st.integers(0, 2**64 - 1)), draw(st.sampled_from([n, n, n, 0, 5000, 65535])),
+                           draw(st.sampled_from([0, 0, 0, 1, 0x8000])))
+    ranges = b"".join(IO_RANGE.pack(draw(st.sampled_from([1, 2, 2, 0, 3, 255])), draw(U32), draw(U32), draw(U32),
+                                    draw(U64)) for _ in range(n))
+    body = head + ranges
+    cut = draw(st.sampled_from([None, None, None, 0, 5, 13, len(body) - 1]))
+    return (body[:cut] if cut is not None else body) + draw(st.sampled_from([b"", b"", b"\0", b"x" * 30]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bodies=st.lists(io_bodies(), min_size=1, max_size=12))
+def test_every_binary_request_gets_a_well_formed_reply_and_the_channel_serves_on(daemon: DaemonProcess,
+                                                                                  bodies: list[bytes]) -> None:
+    with Client(daemon.socket_path) as c, c.open_session(GEOMETRY, channels=2, slot_bytes=2 * SLOT) as s:
+        dc = s.channel(1)
+        for body in bodies:
+            dc._sock.sendall(HEADER.pack(MAGIC, IO_FORMAT, 0, len(body)) + body)
+            fmt, raw = dc._stream.read()
+            assert fmt == IO_FORMAT
+            req_id, refused, text, results = decode_io_reply(raw)
+            if len(body) >= IO_REQUEST.size:
+                assert req_id == IO_REQUEST.unpack_from(body)[0]
+            if refused is None:
+                n = IO_REQUEST.unpack_from(body)[1]
+                assert len(results) == n and all(r.error is None or r.message for r in results)
+                event("served")
+            else:
+                assert refused in (ErrorCode.BAD_REQUEST, ErrorCode.OUT_OF_RANGE) and text, (refused, text)
+                event(f"refused: {refused.value}")
+        s.slot(1)[:SLOT] = b"\xa7" * SLOT
+        s.write(3, "v", 1)
+        s.slot(1)[:SLOT] = bytes(SLOT)
+        assert s.read(3, "v", 1).nbytes == SLOT and bytes(s.slot(1)[:SLOT]) == b"\xa7" * SLOT
     assert daemon.proc is not None and daemon.proc.poll() is None

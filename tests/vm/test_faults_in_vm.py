@@ -120,19 +120,19 @@ def test_failing_nvme_commands_reach_the_client_and_nothing_else(vm_config: VMCo
 
 def run_victim_and_bystander(c: Client, region_start: int) -> dict:
     """Bystander and victim sessions side by side; the victim's extent holds the bad sector."""
+    kpus = [(layer, kind) for layer in range(GEO["layers"]) for kind in "kv"]
     bystander = c.open_session(GEO, mode="direct", channels=1)
-    victim = c.open_session(GEO, mode="direct", channels=1)
+    victim = c.open_session(GEO, mode="direct", channels=1, slot_bytes=len(kpus) * KPU)
     exts = {x["session"]: x["extent"] for x in c.sessions()}
     assert exts[bystander.id]["start"] == region_start
     victim_ext = exts[victim.id]
-    kpus = [(layer, kind) for layer in range(GEO["layers"]) for kind in "kv"]
     for layer, kind in kpus:
         bystander.slot(0)[:] = pattern("bystander", layer, kind, KPU)
         bystander.write(layer, kind, 0)
 
     failed = []
     for layer, kind in kpus:
-        victim.slot(0)[:] = pattern("victim", layer, kind, KPU)
+        victim.slot(0)[:KPU] = pattern("victim", layer, kind, KPU)
         try:
             victim.write(layer, kind, 0)
         except RemoteIOError as e:
@@ -145,7 +145,17 @@ def run_victim_and_bystander(c: Client, region_start: int) -> dict:
                 victim.read(layer, kind, 0)
         else:
             victim.read(layer, kind, 0)
-            assert bytes(victim.slot(0)) == pattern("victim", layer, kind, KPU)
+            assert bytes(victim.slot(0)[:KPU]) == pattern("victim", layer, kind, KPU)
+    # one batched request reading every KPU at its own slot offset: the bad one fails alone, the rest are served
+    victim.slot(0)[:] = bytes(len(kpus) * KPU)
+    results = victim.submit(0, [victim.range("read", layer, kind, slot_offset=i * KPU)
+                                for i, (layer, kind) in enumerate(kpus)], check=False)
+    for i, ((layer, kind), r) in enumerate(zip(kpus, results, strict=True)):
+        if (layer, kind) in failed:
+            assert isinstance(r.error, RemoteIOError) and "unrecovered read error" in str(r.error), r
+        else:
+            assert r.error is None and r.path == "direct" and r.nbytes == KPU, r
+            assert bytes(victim.slot(0)[i * KPU:(i + 1) * KPU]) == pattern("victim", layer, kind, KPU)
     victim.close()      # cleanly, although its extent can be neither deallocated nor zeroed
 
     for layer, kind in kpus:

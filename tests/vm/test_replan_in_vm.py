@@ -1,8 +1,8 @@
 """Live demotion onto a real NVMe namespace (QEMU's controller, inside the NVMe VM): sessions that open
-with every KPU in the page cache -- whole-LBA rows and 256-byte rows padded on the namespace -- are
+with every KPU in the page cache -- whole-LBA rows and 256-byte rows packed on the namespace -- are
 demoted by a SIGHUP that lowers ``budget.override``, and every byte reads back on every channel, before
-and after more writes.  The padded session's bounce buffers are mapped at the demotion, after its
-channels' rings registered their buffers: they go by plain (unregistered) passthrough commands.
+and after more writes.  The packed session's edge LBAs go through the channels' edge scratch, which is
+not registered with the rings: plain (unregistered) passthrough commands.
 
 One daemon start (under TCG every Python start-up costs seconds); the client runs in the pytest process.
 """
