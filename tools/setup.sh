@@ -2,7 +2,8 @@
 # tools/setup.sh - install everything bladed needs on a fresh Debian 12 box
 # (idempotent; quick when already done):
 #   * Debian packages: liburing-dev (the engine links it), fio (benchmark
-#     yardstick), qemu + busybox-static (the NVMe test VM), util-linux (losetup)
+#     yardstick), qemu + busybox-static (the NVMe test VM), systemd + udev (the
+#     VM booted with systemd as PID 1), util-linux (losetup)
 #   * a virtual environment in .venv with bladed installed (editable; this
 #     compiles the cffi extension) plus torch (CPU build), transformers & co.
 #   * the NVMe VM's kernel and initramfs (tools/nvme-vm/run-in-nvme-vm.sh --setup)
@@ -15,8 +16,8 @@ WANT_VM=1
 
 say() { echo "setup: $*" >&2; }
 
-APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd)
-[ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static)
+APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap)
+[ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
