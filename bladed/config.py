@@ -39,9 +39,12 @@ class ConfigError(ValueError):
         self.problems = problems
         self.source = source
         where = f"{source}: " if source else ""
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{where}invalid configuration ({len(problems)} problem"
-                         f"{'s' if len(problems) != 1 else ''}):\n{lines}")
+        if len(problems) == 1:
+            # one problem, one line: the key, what is wrong, the fix
+            super().__init__(f"{where}{problems[0]}")
+        else:
+            lines = "\n".join(f"  - {p}" for p in problems)
+            super().__init__(f"{where}{len(problems)} configuration problems:\n{lines}")
 
 
 # -- the model ---------------------------------------------------------------
@@ -363,7 +366,13 @@ def load_config(path: str | None = None, *, state_dir: str | None = None) -> Con
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError([f"config file {path} does not exist"], path) from None
+        raise ConfigError([f"config file {path} does not exist"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"config file {path} is a directory; give the TOML file in it (-c DIR/bladed.toml)"]) \
+            from None
+    except PermissionError:
+        raise ConfigError([f"config file {path} is not readable by uid {os.getuid()}; fix its mode or run as its "
+                           "owner"]) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"not valid TOML: {e}"], path) from None
     return config_from_dict(data, path, state_dir)

@@ -187,7 +187,7 @@ def test_check_config_against_the_device(store_dir: str, tmp_path) -> None:
     assert past.returncode == 2
     assert "device.region_blocks: region [1000, 5000) runs past the end" in past.stderr
     missing = check_config(tmp_path, {"device": {"backend": "block", "path": "/dev/no-such-disk"}})
-    assert missing.returncode == 2 and "/dev/no-such-disk does not exist (missing device" in missing.stderr
+    assert missing.returncode == 2 and "/dev/no-such-disk does not exist (no such device)" in missing.stderr
     notdir = check_config(tmp_path, {"device": {"path": "/no/such/dir/s.img"}})
     assert notdir.returncode == 2 and "directory /no/such/dir does not exist" in notdir.stderr
     p = tmp_path / "broken.toml"

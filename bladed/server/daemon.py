@@ -22,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from bladed import __version__
@@ -33,12 +34,23 @@ from bladed.server.connection import Connection, refuse
 from bladed.server.events import Peer, event
 from bladed.server.lifecycle import open_store_device, reclaim
 from bladed.server.metrics import Collector, MetricsServer, Stats
+from bladed.server.preflight import check_paths
 from bladed.server.session import SessionManager
 from bladed.server.state import Journal
 from bladed.server.stores.pagecache import sweep_pagecache
 from bladed.server.systemd import sd_notify, setup_logging
 
 log = logging.getLogger("bladed")
+
+
+@contextlib.contextmanager
+def _naming(key: str, path: str) -> Iterator[None]:
+    """Turn an OSError of a start-up step into a ConfigError that names the key and the path."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError([f"{key}: {path}: {e.strerror or e}; fix its permissions or choose another {key}"]) \
+            from None
 
 
 class Daemon:
@@ -63,21 +75,34 @@ class Daemon:
 
     # -- start-up -----------------------------------------------------------------------
     def start(self) -> None:
+        """Take the state directory, open the device, reclaim, listen (ConfigError naming the key on failure)."""
         cfg = self.cfg
         sd_notify("STATUS=starting")
-        self.journal.acquire()
+        # the same checks as --check-config, before anything is created, bound or preallocated (a second
+        # daemon on this state directory hears about the first one's lock, not its socket)
+        problems = check_paths(cfg, live_socket=False)
+        if problems:
+            raise ConfigError(problems, cfg.source)
+        with _naming("daemon.state_dir", cfg.state_dir):
+            self.journal.acquire()
         try:
             self.device = open_store_device(cfg)
             start, blocks = region_of(cfg, self.device.capacity_blocks)
             self.allocator = ExtentAllocator(start, blocks, lba_size=self.device.lba_size)
-            os.makedirs(cfg.pagecache_dir, mode=0o750, exist_ok=True)
+            with _naming("daemon.pagecache_dir", cfg.pagecache_dir):
+                os.makedirs(cfg.pagecache_dir, mode=0o750, exist_ok=True)
             reclaim(cfg, self.device, self.allocator, self.journal, self.stats)
             self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats)
-            self._listen()
+            with _naming("socket.path", cfg.socket_path):
+                self._listen()
             if cfg.metrics.enabled:
-                self.metrics = MetricsServer(cfg.metrics_target, Collector(self.stats, self.gauges),
-                                             cfg.socket.mode)
+                with _naming("metrics.listen", cfg.metrics.listen):
+                    self.metrics = MetricsServer(cfg.metrics_target, Collector(self.stats, self.gauges),
+                                                 cfg.socket.mode)
         except BaseException:
+            if self.listener is not None:
+                self.listener.close()
+                self.listener = None
             self.journal.release()
             raise
         self._sample_budget()
@@ -94,7 +119,8 @@ class Daemon:
     def _listen(self) -> None:
         cfg = self.cfg
         path = cfg.socket_path
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # only a socket inside the state directory gets its directory made (check_paths refused anything else)
+        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

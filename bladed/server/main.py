@@ -1,73 +1,109 @@
-"""``bladed``: the command line of the daemon (``python -m bladed.server``)."""
+"""``bladed``: the command line of the daemon (``python -m bladed.server``).
+
+Every failure an operator can cause ends in one line naming the configuration
+key (or flag), what is wrong and the fix, with the exit status below; a
+traceback only for a bug, and only with ``--debug``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+import traceback
 
 from bladed import __version__
-from bladed.config import ConfigError, format_size, load_config, region_of
+from bladed.config import Config, ConfigError, load_config
 from bladed.protocol import PROTOCOL_VERSION
 from bladed.server.daemon import Daemon
-from bladed.server.lifecycle import open_store_device
+from bladed.server.preflight import check_device, check_paths
 from bladed.server.state import StateLockedError
 from bladed.server.systemd import setup_logging
 
 log = logging.getLogger("bladed")
 
+#: exit statuses (also in ``bladed --help`` and docs/operations.md)
+EXIT_OK = 0
+EXIT_BUSY = 1          # another bladed holds the state directory
+EXIT_CONFIG = 2        # bad usage, configuration, or what it names (paths, device, addresses)
+EXIT_BUG = 70          # an unexpected error: a bug (EX_SOFTWARE)
+EXIT_INTERRUPTED = 130
+
+EPILOG = f"""exit status:
+  {EXIT_OK}    stopped cleanly (SIGTERM/SIGINT: sessions drained, extents TRIMmed)
+  {EXIT_BUSY}    another bladed holds the state directory
+  {EXIT_CONFIG}    bad usage or configuration: the message names the key, the problem and the fix
+  {EXIT_BUG}   an unexpected error (a bug): rerun with --debug for the traceback and report it
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bladed", description="Dual-path NVMe-direct KV-cache daemon (Dual-Blade).")
+    p = argparse.ArgumentParser(prog="bladed", description="Dual-path NVMe-direct KV-cache daemon (Dual-Blade).",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", "-c", metavar="PATH", help="TOML configuration (default: the embedded default)")
     p.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
     p.add_argument("--check-config", action="store_true",
-                   help="validate the configuration and the device, print the result and exit")
+                   help="check the configuration and everything start-up needs (directories, socket, metrics "
+                        "address, device), print the result and exit; changes nothing on disk")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     p.add_argument("--version", action="version", version=f"bladed {__version__} (protocol {PROTOCOL_VERSION})")
     return p
+
+
+def _say(message: str) -> None:
+    print(f"bladed: {message}", file=sys.stderr)
+
+
+def check_config(cfg_path: str | None, state_dir: str | None) -> int:
+    """``--check-config``: what start-up would refuse, without creating, binding or preallocating anything."""
+    cfg = load_config(cfg_path, state_dir=state_dir)
+    device_problems, what = check_device(cfg)
+    problems = check_paths(cfg) + device_problems
+    if problems:
+        raise ConfigError(problems, cfg.source)
+    metrics = f", metrics on {cfg.metrics.listen}" if cfg.metrics.enabled else ""
+    print(f"configuration OK: {what}, socket {cfg.socket_path}, state {cfg.state_dir}{metrics}")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.check_config:
+            return check_config(args.config, args.state_dir)
         cfg = load_config(args.config, state_dir=args.state_dir)
+        if args.print_config:
+            print(cfg.to_toml())
+            return EXIT_OK
+        setup_logging(cfg)
+        return _run(cfg)
     except ConfigError as e:
-        print(f"bladed: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(cfg.to_toml())
-        return 0
-    setup_logging(cfg)
-    if args.check_config:
-        try:
-            os.makedirs(cfg.state_dir, exist_ok=True)
-            dev = open_store_device(cfg)
-        except ConfigError as e:
-            print(f"bladed: {e}", file=sys.stderr)
-            return 2
-        start, blocks = region_of(cfg, dev.capacity_blocks)
-        print(f"configuration OK: {dev.kind} {dev.path}, {dev.lba_size}-byte LBAs, region [{start}, {start + blocks})"
-              f" = {format_size(blocks * dev.lba_size)}, socket {cfg.socket_path}")
-        dev.close()
-        return 0
+        _say(str(e))
+        return EXIT_CONFIG
+    except StateLockedError as e:
+        _say(f"{e}; stop it first, or give this one another daemon.state_dir")
+        return EXIT_BUSY
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        _say(f"unexpected error: {type(e).__name__}: {e} (a bug: rerun with --debug for the traceback and report "
+             "it)")
+        return EXIT_BUG
+
+
+def _run(cfg: Config) -> int:
     daemon = Daemon(cfg)
     daemon.install_signals()
-    try:
-        daemon.start()
-    except ConfigError as e:
-        log.error("%s", e)
-        print(f"bladed: {e}", file=sys.stderr)
-        return 2
-    except StateLockedError as e:
-        log.error("%s", e)
-        return 1
+    daemon.start()          # ConfigError / StateLockedError: nothing is left behind
     try:
         daemon.serve_forever()
     finally:
         daemon.stop()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":
