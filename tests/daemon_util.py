@@ -21,6 +21,7 @@ import json
 import os
 import queue
 import random
+import re
 import shutil
 import signal
 import socket
@@ -108,6 +109,16 @@ def run_as(uid: int, socket_path: str, action: Callable[[Any, dict[str, Any]], N
         data = f.read()
     os.waitpid(pid, 0)
     return dict(json.loads(data))
+
+
+_LOGFMT_PAIR = re.compile(r'(?:^|\s)([\w.]+)=("(?:[^"\\]|\\.)*"|\S*)')
+
+
+def logfmt_fields(line: str) -> dict[str, str]:
+    """The ``key=value`` fields of one daemon log line (``bladed.logfmt``; a journald ``<N>`` prefix is skipped)."""
+    if line.startswith("<") and ">" in line[:4]:
+        line = line[line.index(">") + 1:]
+    return {k: json.loads(v) if v.startswith('"') else v for k, v in _LOGFMT_PAIR.findall(line)}
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -242,20 +253,10 @@ class DaemonProcess:
         self._wait(lambda: len([x for x in self.notifications if x == item]) > n, timeout, f"notify {item}")
 
     def events(self, name: str) -> list[dict[str, str]]:
-        """Parsed ``event=NAME k=v ...`` log lines."""
-        out = []
+        """Parsed ``event=NAME k=v ...`` log lines (every field of the line, ``level`` and ``logger`` too)."""
         with self._cond:
             lines = list(self.lines)
-        for line in lines:
-            i = line.find(f"event={name} ")
-            if i < 0 and not line.endswith(f"event={name}"):
-                continue
-            fields = {}
-            for part in line[i:].split():
-                k, _, v = part.partition("=")
-                fields[k] = v.strip("'")
-            out.append(fields)
-        return out
+        return [f for f in map(logfmt_fields, lines) if f.get("event") == name]
 
     def wait_event(self, name: str, timeout: float = 30.0, **match: Any) -> dict[str, str]:
         def find() -> dict[str, str] | None:
@@ -265,6 +266,15 @@ class DaemonProcess:
             return None
 
         return self._wait(find, timeout, f"event {name} {match}")
+
+    def wait_fields(self, pred: Callable[[dict[str, str]], bool], count: int = 1,
+                    timeout: float = 30.0) -> list[dict[str, str]]:
+        """The parsed log lines (:func:`logfmt_fields`) that ``pred`` holds for, once there are ``count``."""
+        def found() -> list[dict[str, str]] | None:
+            hits = [f for f in map(logfmt_fields, self.lines) if pred(f)]
+            return hits if len(hits) >= count else None
+
+        return list(self._wait(found, timeout, f"{count} log line(s) matching {pred}"))
 
     def wait_line(self, text: str, timeout: float = 30.0) -> str:
         return self._wait(lambda: next((ln for ln in self.lines if text in ln), None), timeout, repr(text))

@@ -386,7 +386,7 @@ def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp:
             cg.set_limit(512 << 20)                      # memory back
             for name in names:
                 line = d.wait_line(f"event=kpu_demotion_failed session={sid} kpu={name} ")
-                assert "error='cannot map" in line and "staging memory" in line, line
+                assert 'error="cannot map' in line and "staging memory" in line, line
             # nothing moved: every KPU still on the page-cache path with every byte, writes still work
             assert set(m.check().values()) == {"pagecache"}
             (row,) = c.sessions()

@@ -4,7 +4,8 @@
     B_pc = max(0, M* - N_threads * M_pin)                             (Eq. 2)
 
 * The cgroup is the one charged for the page-cache pages: the memory cgroup
-  of the process that touches them (the daemon).  cgroup v1, v2 and hybrid
+  of the process that touches them (the daemon; on v2, the nearest ancestor
+  with the memory controller when its own cgroup has none).  cgroup v1, v2 and hybrid
   hosts are handled: on a hybrid host ``/proc/<pid>/cgroup`` has both a
   ``N:memory:/path`` line (the v1 memory controller, which is what charges)
   and a ``0::/path`` line; the v1 line wins whenever it exists.
@@ -22,7 +23,9 @@
 :class:`Budgeter` samples on demand, periodically, and when the kernel
 reports memory pressure: a PSI trigger on ``memory.pressure`` (the cgroup's
 own on v2, the unified hierarchy's on hybrid hosts, ``/proc/pressure/memory``
-otherwise) and, on v1, a ``memory.pressure_level`` eventfd of the cgroup.
+otherwise, or where the cgroup's file refuses a trigger, as it does to a
+systemd service's user) and, on v1, a ``memory.pressure_level`` eventfd of
+the cgroup.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from typing import Any
 
 import psutil
 from cgroupspy.controllers import MemoryController
+
+from bladed.logfmt import fields
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +174,17 @@ def locate_memory_cgroup(pid: int | None = None, proc_root: str = "/proc") -> Cg
     if v1_path is not None and v1_mount is not None:
         return CgroupInfo("v1", _join(v1_mount, v1_path), v1_mount.mountpoint, psi)
     if v2_dir is not None and v2_mount is not None:
-        ctrls = (_read(os.path.join(v2_dir, "cgroup.controllers")) or "").split()
-        if "memory" in ctrls or os.path.exists(os.path.join(v2_dir, "memory.max")):
-            return CgroupInfo("v2", v2_dir, v2_mount.mountpoint, psi)
+        # a v2 cgroup whose parent does not enable the memory controller for it is charged to its
+        # nearest ancestor that has it (a leaf of a delegated subtree, a unit without MemoryAccounting=)
+        top = os.path.normpath(v2_mount.mountpoint)
+        d = os.path.normpath(v2_dir)
+        while d.startswith(top):
+            ctrls = (_read(os.path.join(d, "cgroup.controllers")) or "").split()
+            if "memory" in ctrls or os.path.exists(os.path.join(d, "memory.max")):
+                return CgroupInfo("v2", d, v2_mount.mountpoint, psi)
+            if d == top:
+                break
+            d = os.path.dirname(d)
     return CgroupInfo("none", "", "", psi)
 
 
@@ -501,18 +514,20 @@ class Budgeter:
         except OSError as e:
             log.warning("budget: cannot locate the memory cgroup for pressure events: %s", e)
             return out
-        if info.pressure_file:
-            try:
-                fd = os.open(info.pressure_file, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as e:
-                log.info("budget: no PSI trigger on %s (%s); periodic sampling only", info.pressure_file, e)
-            else:
-                try:
-                    os.write(fd, _PSI_TRIGGER)
-                    out.append(_Source(f"psi:{info.pressure_file}", fd, select.POLLPRI, [fd]))
-                except OSError as e:
-                    os.close(fd)
-                    log.info("budget: PSI trigger refused by %s (%s)", info.pressure_file, e)
+        psi_files = [info.pressure_file] if info.pressure_file else []
+        host_psi = os.path.join(self.proc_root, "pressure", "memory")
+        if psi_files and psi_files[0] != host_psi and os.path.exists(host_psi):
+            # a service user cannot write a trigger to its unit's cgroup file (root's, and read-only
+            # under ProtectControlGroups=): the host's memory pressure includes the cgroup's
+            psi_files.append(host_psi)
+        for path in psi_files:
+            src = self._arm_psi(path)
+            if src is not None:
+                out.append(src)
+                break
+        else:
+            if psi_files:
+                log.info("budget: no PSI trigger could be armed; periodic sampling only")
         if info.version == "v1":
             efd = pfd = -1
             try:
@@ -528,6 +543,22 @@ class Budgeter:
                         os.close(fd)
                 log.info("budget: no v1 memory.pressure_level events for %s (%s)", info.path, e)
         return out
+
+    @staticmethod
+    def _arm_psi(path: str) -> _Source | None:
+        """A PSI trigger on ``path``, or None (logged) where the kernel or the file's mode refuses one."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            log.info("budget: no PSI trigger on %s (%s)", path, e)
+            return None
+        try:
+            os.write(fd, _PSI_TRIGGER)
+        except OSError as e:
+            os.close(fd)
+            log.info("budget: PSI trigger refused by %s (%s)", path, e)
+            return None
+        return _Source(f"psi:{path}", fd, select.POLLPRI, [fd])
 
     def _run(self, interval_s: float, on_change: SampleCallback | None, on_sample: SampleCallback | None,
              srcs: list[_Source], first: BudgetBreakdown) -> None:
@@ -576,9 +607,14 @@ class Budgeter:
                 if on_sample is not None:
                     on_sample(b)
                 if on_change is not None and abs(b.b_pc - reported) >= self.hysteresis_bytes:
-                    reported = b.b_pc
+                    previous, reported = reported, b.b_pc
                     self.stats["changes"] += 1
-                    log.info("budget changed (%s): %s", reason, b.describe())
+                    # routine drift of MemAvailable is a DEBUG line; a move on memory pressure is news
+                    log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "budget changed (%s)", reason,
+                            extra=fields(b_pc=b.b_pc, previous_b_pc=previous, m_star=b.m_star, m_avail=b.m_avail,
+                                         m_max=b.m_max, m_anon_shmem=b.m_anon_shmem,
+                                         pinned=b.n_threads * b.m_pin, binding=b.binding,
+                                         cgroup=f"{b.cgroup_version}:{b.cgroup or 'host'}"))
                     on_change(b)
         except Exception:
             log.exception("budget thread failed")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from bladed import __version__
 from bladed.io import BladedIOError
+from bladed.logfmt import fields
 from bladed.protocol import (
     IO_FORMAT,
     IO_REQUEST,
@@ -52,10 +53,13 @@ if TYPE_CHECKING:
     from bladed.server.daemon import Daemon
     from bladed.server.session import Session
 
-log = logging.getLogger("bladed")
+log = logging.getLogger("bladed.connection")
 
 #: each session costs a ring and a slot per channel: bound what one connection can ask for
 MAX_SESSIONS_PER_CONNECTION = 64
+#: refusals that mean the client does not speak the protocol: the first one of a connection is logged
+PROTOCOL_ERRORS = frozenset({ErrorCode.BAD_FRAME, ErrorCode.BAD_REQUEST, ErrorCode.UNKNOWN_OP,
+                             ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.INCOMPATIBLE_PROTOCOL})
 
 
 def oversize_message(e: FrameTooLargeError) -> str:
@@ -91,7 +95,29 @@ class Connection:
         self._dead = False
         self.greeted = False
         self.attached: tuple[Session, int] | None = None
+        #: requests served and refused on this connection (reported when it closes, at DEBUG)
+        self.requests = 0
+        self.refused = 0
+        self._protocol_error_logged = False
         self.thread = threading.Thread(target=self._run, name=f"bladed-conn-{peer.pid}", daemon=True)
+
+    def _refuse(self, code: ErrorCode, message: str, op: Any = None) -> None:
+        """Count a request refused for something the client did (``bad_requests``, by code).
+
+        The first protocol error of the connection is logged (a client that keeps sending garbage
+        must not flood the log: the rest are only counted); other refusals of control requests are
+        DEBUG lines.
+        """
+        self.daemon.stats.count("bad_requests", code.value)
+        self.refused += 1
+        if code in PROTOCOL_ERRORS:
+            if not self._protocol_error_logged:
+                self._protocol_error_logged = True
+                log.warning("bad request; later ones on this connection are only counted (bad_requests)",
+                            extra=fields(pid=self.peer.pid, uid=self.peer.uid, reason=code.value, error=message))
+        elif self.attached is None:
+            log.debug("request refused", extra=fields(pid=self.peer.pid, uid=self.peer.uid, op=op,
+                                                      reason=code.value, error=message))
 
     # -- sending ------------------------------------------------------------------
     def send(self, body: dict[str, Any]) -> None:
@@ -128,6 +154,7 @@ class Connection:
 
     # -- the reader -----------------------------------------------------------------
     def _run(self) -> None:
+        log.debug("connection opened", extra=fields(pid=self.peer.pid, uid=self.peer.uid, gid=self.peer.gid))
         reader = FrameReader(self.sock, MAX_FRAME_BYTES)
         reason = "closed"
         try:
@@ -135,7 +162,8 @@ class Connection:
                 try:
                     frame = reader.read()
                 except BadBody as e:
-                    self.daemon.stats.add("bad_requests")
+                    self.requests += 1
+                    self._refuse(ErrorCode.BAD_REQUEST, str(e))
                     self.send(error_reply(None, ErrorCode.BAD_REQUEST, str(e)))
                     continue
                 if not self._handle(frame):
@@ -146,8 +174,7 @@ class Connection:
         except ConnectionClosed:
             reason = "client_gone" if not self.daemon.stopping.is_set() else "shutdown"
         except FrameError as e:
-            self.daemon.stats.add("bad_requests")
-            log.info("connection of pid %d uid %d: %s; closing it", self.peer.pid, self.peer.uid, e)
+            self._refuse(ErrorCode.BAD_FRAME, f"{e}; connection closed")
             self.send(error_reply(None, ErrorCode.BAD_FRAME, str(e)))
             reason = "bad_frame"
         except OSError as e:  # ECONNRESET when the client is killed
@@ -161,6 +188,9 @@ class Connection:
     def _teardown(self, reason: str) -> None:
         if self.daemon.stopping.is_set():
             reason = "shutdown"
+        log.debug("connection closed", extra=fields(
+            pid=self.peer.pid, uid=self.peer.uid, reason=reason, kind="data" if self.attached else "control",
+            requests=self.requests, refused=self.refused, sessions_closed=len(self.sessions)))
         if self.attached is not None:
             self.attached[0].detach(self)
         for sess in list(self.sessions.values()):
@@ -179,14 +209,16 @@ class Connection:
         body = frame.body
         req_id = request_id(body)  # echoed in the reply only when valid
         op: Any = body.get("op")
+        self.requests += 1
         try:
             # a malformed request is not the first request: it gets bad_request, before or after hello
             valid_id: int = get_field(body, "id", int)
             op = get_field(body, "op", str)
             if not self.greeted:
                 if op != "hello":
-                    self.send(error_reply(req_id, ErrorCode.HANDSHAKE_REQUIRED,
-                                          f"the first request must be 'hello' (got {op!r})"))
+                    message = f"the first request must be 'hello' (got {op!r})"
+                    self._refuse(ErrorCode.HANDSHAKE_REQUIRED, message, op)
+                    self.send(error_reply(req_id, ErrorCode.HANDSHAKE_REQUIRED, message))
                     return False
                 return self._hello(valid_id, body)
             if op != "open_session" and frame.fds:
@@ -197,7 +229,7 @@ class Connection:
                                                          f"knows {', '.join(OPS)}")
             self.send(ok_reply(req_id, **handler(body, frame)))
         except RequestError as e:
-            self.daemon.stats.add("bad_requests")
+            self._refuse(e.code, e.message, op)
             self.send(error_reply(req_id, e.code, e.message))
         except BladedIOError as e:
             self.send(error_reply(req_id, ErrorCode.IO_ERROR, str(e)))
@@ -213,13 +245,14 @@ class Connection:
             proto = get_field(body, "protocol", int)
         except RequestError as e:
             # a malformed hello is a bad request; the peer may try again on this connection
-            self.daemon.stats.add("bad_requests")
+            self._refuse(e.code, e.message, "hello")
             self.send(error_reply(req_id, e.code, e.message))
             return True
         if not MIN_PROTOCOL_VERSION <= proto <= PROTOCOL_VERSION:
-            self.send(error_reply(req_id, ErrorCode.INCOMPATIBLE_PROTOCOL,
-                                  f"client speaks protocol {proto}; this bladed {__version__} speaks "
-                                  f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION} (upgrade the client or the daemon)"))
+            message = (f"client speaks protocol {proto}; this bladed {__version__} speaks "
+                       f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION} (upgrade the client or the daemon)")
+            self._refuse(ErrorCode.INCOMPATIBLE_PROTOCOL, message, "hello")
+            self.send(error_reply(req_id, ErrorCode.INCOMPATIBLE_PROTOCOL, message))
             return False
         self.greeted = True
         d = self.daemon
@@ -259,6 +292,13 @@ class Connection:
             self.daemon.manager.close(sess, "reply_too_large")
             raise RequestError(ErrorCode.INTERNAL, oversize_message(e)) from None
         self.sessions[sess.id] = sess
+        plan, budget = sess.plan, sess.budget
+        log.debug("session plan", extra=fields(
+            session=sess.id, pid=self.peer.pid, mode=plan.mode.value, b_pc=budget.get("b_pc"),
+            granted=budget.get("granted_bytes"), held_by_others=budget.get("held_by_others_bytes"),
+            x_bytes=plan.x_bytes, n1=plan.n1, group1=",".join(k.name for k in plan.group1()) or "none",
+            group2=",".join(k.name for k in plan.group2()) or "none", extent_blocks=plan.extent_blocks,
+            staging_bytes=sess.staging_bytes))
         return out
 
     def _op_close_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
@@ -282,6 +322,7 @@ class Connection:
         sess.channel(ch)
         sess.attach(self)
         self.attached = (sess, ch)
+        log.debug("data connection attached", extra=fields(pid=self.peer.pid, session=sid, channel=ch))
         return {"session": sid, "channel": ch, "format": IO_FORMAT}
 
     def _op_write(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
@@ -338,11 +379,12 @@ class Connection:
             if fmt != IO_FORMAT:
                 raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
             req_id = IO_REQUEST.unpack_from(body)[0] if len(body) >= IO_REQUEST.size else 0
+            self.requests += 1
             try:
                 _, ranges = decode_io_request(body)
                 data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
             except RequestError as e:
-                self.daemon.stats.add("bad_requests")
+                self._refuse(e.code, e.message)
                 data = encode_io_refusal(req_id, e.code, e.message)
             except Exception as e:
                 log.exception("I/O request of pid %d on session %s channel %d failed", self.peer.pid, sess.id, ch)

@@ -211,11 +211,11 @@ class Daemon:
 
     def _admit(self, sock: socket.socket) -> None:
         peer = Peer.of(sock)
-        why = self._refusal(peer)
-        if why is not None:
-            self.stats.add("connections_refused")
-            event("connection_refused", uid=peer.uid, gid=peer.gid, pid=peer.pid, reason=why)
-            code = ErrorCode.PERMISSION_DENIED if "not allowed" in why else ErrorCode.BUSY
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            reason, code, why = refusal
+            self.stats.count("connections_refused", reason)
+            event("connection_refused", uid=peer.uid, gid=peer.gid, pid=peer.pid, reason=reason, error=why)
             threading.Thread(target=refuse, args=(sock, code, why), name="bladed-refuse", daemon=True).start()
             return
         # replies to a client that stops reading must not block its channel workers forever
@@ -227,13 +227,16 @@ class Daemon:
             self._conns.add(conn)
         conn.thread.start()
 
-    def _refusal(self, peer: Peer) -> str | None:
+    def _refusal(self, peer: Peer) -> tuple[str, ErrorCode, str] | None:
+        """None, or why ``peer`` is refused: (one of metrics.REFUSALS, the error code, the message)."""
         if not self.is_allowed(peer):
-            return (f"uid {peer.uid} (gid {peer.gid}) is not allowed to use bladed "
+            return ("not_allowed", ErrorCode.PERMISSION_DENIED,
+                    f"uid {peer.uid} (gid {peer.gid}) is not allowed to use bladed "
                     "(access.allowed_uids / access.allowed_gids)")
         with self._conns_lock:
             if len(self._conns) >= self.cfg.socket.max_connections:
-                return f"too many connections ({self.cfg.socket.max_connections}, socket.max_connections)"
+                return ("too_many", ErrorCode.BUSY,
+                        f"too many connections ({self.cfg.socket.max_connections}, socket.max_connections)")
         return None
 
     def is_allowed(self, peer: Peer) -> bool:
@@ -253,14 +256,20 @@ class Daemon:
 
     # -- reporting -------------------------------------------------------------------------------
     def gauges(self) -> dict[str, Any]:
-        return {"sessions": len(self.manager.sessions),
+        """The live values of ``stats`` and of the Prometheus gauges (metrics.Collector)."""
+        b = self._last_budget
+        budget = {k: v for k, v in b.items()
+                  if k in ("m_avail", "m_max", "m_anon_shmem", "m_star", "b_pc", "b_pc_computed", "m_file",
+                           "mem_total")}
+        if "n_threads" in b and "m_pin" in b:
+            budget["pinned"] = b["n_threads"] * b["m_pin"]
+        with self._conns_lock:
+            connections = len(self._conns)
+        return {"sessions": len(self.manager.sessions), "connections": connections,
                 "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks,
-                            "largest_free": self.allocator.largest_free},
+                            "largest_free": self.allocator.largest_free, "region_blocks": self.allocator.nblocks},
                 "lba_size": self.device.lba_size,
-                "budget": {k: v for k, v in self._last_budget.items()
-                           if k in ("m_avail", "m_max", "m_anon_shmem", "m_star", "b_pc", "b_pc_computed",
-                                    "m_file", "mem_total")}
-                | {"held": self.manager.ledger.held_bytes},
+                "budget": budget | {"held": self.manager.ledger.held_bytes},
                 "replan": self.manager.replanner.to_dict()}
 
     def _sample_budget(self) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from bladed.logfmt import EVENT, FIELDS, render
+
 events = logging.getLogger("bladed.events")
 
 
@@ -47,12 +49,9 @@ class Peer:
 
 
 def event(name: str, **fields: Any) -> None:
-    """One structured log line: ``event=NAME key=value ...`` (journald-friendly)."""
-    parts = [f"event={name}"]
-    for k, v in fields.items():
-        s = str(v)
-        parts.append(f"{k}={s!r}" if (" " in s or not s) else f"{k}={s}")
-    events.info(" ".join(parts))
+    """One structured log line at INFO: ``event=NAME key=value ...`` (docs/operations.md, "Logs")."""
+    # the formatter writes event= and the fields itself (no msg=); the message is for any other handler
+    events.info("%s", render({"event": name, **fields}), extra={EVENT: name, FIELDS: fields})
 
 
 __all__ = ["Peer", "event"]

@@ -18,7 +18,7 @@ from bladed.protocol import PROTOCOL_VERSION
 from bladed.server.daemon import Daemon
 from bladed.server.preflight import check_device, check_paths
 from bladed.server.state import StateLockedError
-from bladed.server.systemd import setup_logging
+from bladed.server.systemd import report_error, setup_logging
 
 log = logging.getLogger("bladed")
 
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _say(message: str) -> None:
-    print(f"bladed: {message}", file=sys.stderr)
+    """One line on stderr: ``bladed: ...`` at a terminal, an error record under journald (once, not twice)."""
+    report_error(message)
 
 
 def check_config(cfg_path: str | None, state_dir: str | None) -> int:

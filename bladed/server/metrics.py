@@ -20,9 +20,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
+
+from bladed import __version__
+from bladed.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,13 @@ class PathStats:
                 "latency_avg_s": self.latency_sum_s / self.ops if self.ops else 0.0}
 
 
+#: counters kept per label value as well as in total: stat name -> label name (``bladectl stats``
+#: reports them as ``<name>_by_<label>``, Prometheus as ``bladed_<name>_total{<label>=...}``)
+LABELLED = {"sessions_closed": "reason", "connections_refused": "reason", "bad_requests": "code"}
+#: why a connection is refused (before its hello): the label values of bladed_connections_refused_total
+REFUSALS = ("not_allowed", "too_many")
+
+
 class Stats:
     """Everything the daemon counts; thread-safe."""
 
@@ -76,7 +86,11 @@ class Stats:
         self.sessions_closed = 0
         self.sessions_reclaimed = 0
         self.connections_refused = 0
+        #: requests answered with an error the client caused (a bad frame, bad JSON, an unknown op, a refusal)
         self.bad_requests = 0
+        #: the LABELLED counters by label value; the refusal reasons are known up front, so they start at 0
+        self.by_label: dict[str, dict[str, int]] = {name: {} for name in LABELLED}
+        self.by_label["connections_refused"] = dict.fromkeys(REFUSALS, 0)
 
     def observe_io(self, path: str, op: str, nbytes: int, seconds: float, hit_ratio: float | None = None) -> None:
         with self._lock:
@@ -90,8 +104,18 @@ class Stats:
             self.io[(path, op)].errors += 1
 
     def add(self, name: str, value: int = 1) -> None:
+        """Add to an unlabelled counter (the LABELLED ones go through :meth:`count`)."""
+        if name in LABELLED:
+            raise ValueError(f"{name} is counted by {LABELLED[name]}: use Stats.count")
         with self._lock:
             setattr(self, name, getattr(self, name) + value)
+
+    def count(self, name: str, label: str, value: int = 1) -> None:
+        """Add to a LABELLED counter: its total and its ``label`` value."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + value)
+            by = self.by_label[name]
+            by[label] = by.get(label, 0) + value
 
     @property
     def hit_ratio(self) -> float | None:
@@ -117,22 +141,71 @@ class Stats:
                 "sessions_reclaimed": self.sessions_reclaimed,
                 "connections_refused": self.connections_refused,
                 "bad_requests": self.bad_requests,
-            }
+            } | {f"{name}_by_{label}": dict(self.by_label[name]) for name, label in LABELLED.items()}
 
     def histograms(self) -> dict[tuple[str, str], tuple[list[int], float]]:
         with self._lock:
             return {k: (list(v.buckets), v.latency_sum_s) for k, v in self.io.items()}
 
 
+#: the unlabelled counters of :class:`Stats`: (stat, help)
+_COUNTERS = (
+    ("pagecache_read_bytes", "Bytes read on the page-cache path (the hit ratio's denominator)"),
+    ("pagecache_hit_bytes", "Page-cache read bytes that were resident (the hit ratio's numerator)"),
+    ("trimmed_bytes", "Bytes deallocated (TRIM) on teardown, reclaim and trim"),
+    ("zeroed_bytes", "Bytes Write-Zeroed on teardown and reclaim (no zeroes after TRIM)"),
+    ("quarantined_bytes", "Bytes kept out of use: could be neither deallocated to zeroes nor zeroed"),
+    ("region_scrubbed_bytes", "Bytes scrubbed at start-up for want of a usable journal"),
+    ("integrity_errors", "Reads whose crc32c did not match what was written"),
+    ("sessions_opened", "Sessions opened"),
+    ("sessions_reclaimed", "Sessions of a crashed instance reclaimed at start-up"),
+)
+#: the LABELLED counters: stat -> (metric, help)
+_LABELLED_COUNTERS = {
+    "sessions_closed": ("bladed_sessions_closed", "Sessions closed, by why"),
+    "connections_refused": ("bladed_connections_refused", "Connections refused before their hello, by why"),
+    "bad_requests": ("bladed_requests_refused", "Requests answered with an error the client caused, by its code"),
+}
+#: Eq. 1-2 and the ledger, one gauge each: (metric, key of Daemon.gauges()["budget"], help with the paper's symbol)
+_BUDGET_GAUGES = (
+    ("bladed_pagecache_budget_bytes", "b_pc",
+     "B_pc (Eq. 2): the page-cache budget, after budget.override / budget.cap"),
+    ("bladed_pagecache_budget_computed_bytes", "b_pc_computed",
+     "B_pc as Eq. 2 computes it, before budget.override / budget.cap"),
+    ("bladed_pagecache_held_bytes", "held", "Page-cache bytes live sessions' plans hold (Group 1), out of B_pc"),
+    ("bladed_memory_usable_bytes", "m_star", "M* (Eq. 1) = min(M_avail, M_max - M_anon+shmem)"),
+    ("bladed_memory_available_bytes", "m_avail", "M_avail (Eq. 1): the host's MemAvailable"),
+    ("bladed_memory_limit_bytes", "m_max",
+     "M_max (Eq. 1): the memory cgroup's limit (smallest over its ancestors), or MemTotal if it has none"),
+    ("bladed_memory_anon_shmem_bytes", "m_anon_shmem",
+     "M_anon+shmem (Eq. 1): anonymous and shared memory charged to the memory cgroup"),
+    ("bladed_memory_file_bytes", "m_file", "M_file: page cache charged to the memory cgroup now (shmem excluded)"),
+    ("bladed_memory_total_bytes", "mem_total", "The host's MemTotal"),
+    ("bladed_staging_pinned_bytes", "pinned", "N_threads x M_pin (Eq. 2): staging memory of the open sessions"),
+)
+#: live re-planning counters: (metric, key of LiveReplanner.to_dict(), help)
+_REPLAN_COUNTERS = (
+    ("bladed_replans", "replans", "Budget shrinks that re-planned a live session"),
+    ("bladed_demoted_kpus", "demoted_kpus", "KPUs moved live from the page-cache path to the NVMe-direct path"),
+    ("bladed_demoted_bytes", "demoted_bytes", "Bytes of those KPUs"),
+    ("bladed_demotions_failed", "demotions_failed",
+     "Demotions refused (no space, memory or I/O error; the KPU stays where it was)"),
+)
+
+
 class Collector:
-    """Prometheus view of the daemon: ``gauges()`` supplies the live values
-    (sessions, extents, budget terms) that are not counters."""
+    """Prometheus view of the daemon (docs/operations.md, "Metrics"): counters from :class:`Stats`,
+    and ``gauges()`` for the live values (sessions, extents, budget terms)."""
 
     def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
         self.stats = stats
         self.gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily("bladed_build_info", "The running bladed: its version and the newest protocol "
+                                  "it speaks (value 1)", labels=["version", "protocol"])
+        build.add_metric([__version__, str(PROTOCOL_VERSION)], 1)
+        yield build
         snap = self.stats.snapshot()
         by = CounterMetricFamily("bladed_io_bytes", "Bytes moved by completed requests", labels=["path", "op"])
         ops = CounterMetricFamily("bladed_io_ops", "Completed requests", labels=["path", "op"])
@@ -155,45 +228,47 @@ class Collector:
                 cum.append((bound, acc))
             hist.add_metric([p, o], cum, total)
         yield hist
+        # no hit-ratio gauge: a ratio since start says nothing about now; rate() of these two does
         pc = snap["pagecache"]
-        yield CounterMetricFamily("bladed_pagecache_read_bytes", "Bytes read on the page-cache path",
-                                  value=pc["read_bytes"])
-        yield CounterMetricFamily("bladed_pagecache_hit_bytes", "Page-cache read bytes that were resident",
-                                  value=pc["hit_bytes"])
-        yield GaugeMetricFamily("bladed_pagecache_hit_ratio", "Byte-weighted page-cache hit ratio since start",
-                                value=pc["hit_ratio"] if pc["hit_ratio"] is not None else 0.0)
-        yield CounterMetricFamily("bladed_trimmed_bytes", "Bytes deallocated (TRIM) on teardown and reclaim",
-                                  value=snap["trimmed_bytes"])
-        for name, doc in (("zeroed_bytes", "Bytes Write-Zeroed on teardown and reclaim (no zeroes after TRIM)"),
-                          ("quarantined_bytes", "Bytes kept out of use: could be neither deallocated to zeroes "
-                                                "nor zeroed"),
-                          ("region_scrubbed_bytes", "Bytes scrubbed at start-up for want of a usable journal"),
-                          ("integrity_errors", "Reads whose crc32c did not match what was written")):
-            yield CounterMetricFamily(f"bladed_{name}", doc, value=snap[name])
-        yield CounterMetricFamily("bladed_sessions_opened", "Sessions opened", value=snap["sessions_opened"])
-        yield CounterMetricFamily("bladed_sessions_reclaimed", "Sessions of a crashed instance reclaimed at start",
-                                  value=snap["sessions_reclaimed"])
+        flat = snap | {"pagecache_read_bytes": pc["read_bytes"], "pagecache_hit_bytes": pc["hit_bytes"]}
+        for name, doc in _COUNTERS:
+            yield CounterMetricFamily(f"bladed_{name}", doc, value=flat[name])
+        for name, (metric, doc) in _LABELLED_COUNTERS.items():
+            fam = CounterMetricFamily(metric, doc, labels=[LABELLED[name]])
+            for label, n in sorted(snap[f"{name}_by_{LABELLED[name]}"].items()):
+                fam.add_metric([label], n)
+            yield fam
+
         live = self.gauges()
         yield GaugeMetricFamily("bladed_sessions", "Open sessions", value=live["sessions"])
-        ext = GaugeMetricFamily("bladed_extent_blocks", "Blocks of the KV region", labels=["state"])
-        ext.add_metric(["used"], live["extents"]["used_blocks"])
-        ext.add_metric(["free"], live["extents"]["free_blocks"])
-        yield ext
+        yield GaugeMetricFamily("bladed_connections", "Open client connections (control and data)",
+                                value=live["connections"])
+        lba = live["lba_size"]
+        ext = live["extents"]
+        yield GaugeMetricFamily("bladed_lba_size_bytes", "LBA size of the KV region", value=lba)
+        yield GaugeMetricFamily("bladed_region_size_bytes", "Size of the KV region", value=ext["region_blocks"] * lba)
+        yield GaugeMetricFamily("bladed_extent_used_bytes", "Bytes of the KV region held by sessions' extents "
+                                "(or quarantined)", value=ext["used_blocks"] * lba)
+        yield GaugeMetricFamily("bladed_extent_free_bytes", "Free bytes of the KV region",
+                                value=ext["free_blocks"] * lba)
+        yield GaugeMetricFamily("bladed_extent_largest_free_bytes", "The largest free extent of the KV region "
+                                "(the largest direct-path footprint a new session can get)",
+                                value=ext["largest_free"] * lba)
+        budget = live["budget"]
+        for metric, key, doc in _BUDGET_GAUGES:
+            value = budget.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                yield GaugeMetricFamily(metric, doc, value=value)
         replan = live.get("replan", {})
-        yield CounterMetricFamily("bladed_replans", "Budget shrinks that re-planned live sessions",
-                                  value=replan.get("replans", 0))
-        yield CounterMetricFamily("bladed_demoted_kpus", "KPUs moved live from the page-cache path to the "
-                                                         "NVMe-direct path", value=replan.get("demoted_kpus", 0))
-        yield CounterMetricFamily("bladed_demoted_bytes", "Bytes of those KPUs", value=replan.get("demoted_bytes", 0))
-        yield CounterMetricFamily("bladed_demotions_failed",
-                                  "Demotions refused (no space, memory or I/O error; the KPU stays where it was)",
-                                  value=replan.get("demotions_failed", 0))
-        yield GaugeMetricFamily("bladed_lba_size_bytes", "LBA size of the KV region", value=live["lba_size"])
-        budget = GaugeMetricFamily("bladed_budget_bytes", "Terms of Eq. 1-2 (bytes)", labels=["term"])
-        for term, value in live["budget"].items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and value is not None:
-                budget.add_metric([term], float(value))
-        yield budget
+        for metric, key, doc in _REPLAN_COUNTERS:
+            yield CounterMetricFamily(metric, doc, value=replan.get(key, 0))
+        samples = CounterMetricFamily("bladed_budget_samples", "Samples of Eq. 1-2 taken by live re-planning, by "
+                                      "what triggered them", labels=["reason"])
+        for reason in ("periodic", "pressure"):
+            samples.add_metric([reason], replan.get("budget_samples", {}).get(reason, 0))
+        yield samples
+        yield CounterMetricFamily("bladed_pagecache_budget_changes", "Moves of B_pc past the hysteresis that live "
+                                  "re-planning applied", value=replan.get("budget_samples", {}).get("changes", 0))
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -215,6 +290,9 @@ class MetricsServer:
     def __init__(self, target: tuple[str, Any], collector: Collector, socket_mode: int = 0o660) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
+        # process_* (CPU, memory, descriptors, start time) and python_info, as every Python exporter has
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         handler: Any = MetricsHandler.factory(self.registry)
         handler.log_message = lambda *a, **k: None
         kind, where = target

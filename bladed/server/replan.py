@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from bladed.io import BladedIOError
+from bladed.logfmt import fields
 from bladed.protocol import RequestError
 from bladed.residency.budget import BudgetBreakdown, Budgeter
 from bladed.residency.extents import RegionFullError
@@ -188,6 +189,8 @@ class LiveReplanner:
         self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0}
         self._work: queue.Queue[tuple[Session, int] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        #: Budgeter.stats of the budgeters a reload replaced (so the samples counters never go back)
+        self._past_samples: dict[str, int] = {}
 
     # -- the re-sampling thread -------------------------------------------------------------
     def _pinned(self) -> tuple[int, int]:
@@ -219,6 +222,8 @@ class LiveReplanner:
         b, self._budgeter = self._budgeter, None
         if b is not None:
             b.stop()
+            with self._lock:
+                self._past_samples = self._samples(b)
         w, self._worker = self._worker, None
         if w is not None:
             self._work.put(None)
@@ -254,6 +259,9 @@ class LiveReplanner:
         """``ledger.shrink(B_pc)``, then record each affected session's demotions."""
         with self._lock:
             grants = self.manager.ledger.shrink(b.b_pc)
+            log.debug("budget applied to live sessions", extra=fields(
+                b_pc=b.b_pc, reason=b.reason, held=self.manager.ledger.held_bytes,
+                grants=",".join(f"{sid}:{g}" for sid, g in grants.items()) or "none"))
             for sid, grant in grants.items():
                 sess = self.manager.get(str(sid))
                 if sess is None or sess.closing:
@@ -303,10 +311,16 @@ class LiveReplanner:
         event("kpu_demoted", session=sess.id, kpu=kpu.name, path=kpu.path.value, bytes=nbytes,
               group1_bytes=sess.plan.group1_bytes)
 
+    def _samples(self, b: Budgeter | None) -> dict[str, int]:
+        """Samples (periodic, pressure) and applied changes of B_pc since the daemon started."""
+        now = dict(b.stats) if b is not None else {}
+        return {k: self._past_samples.get(k, 0) + now.get(k, 0) for k in self._past_samples.keys() | now.keys()}
+
     def to_dict(self) -> dict[str, Any]:
         b = self._budgeter
         with self._lock:
             out: dict[str, Any] = dict(self.stats)
+            out["budget_samples"] = self._samples(b)
         out["running"] = b is not None
         out["sources"] = list(b.sources) if b is not None else []
         return out

@@ -466,7 +466,7 @@ class SessionManager:
             for c in sess.channels:
                 c.lock.release()
         self.ledger.release(sess.id)
-        self.stats.add("sessions_closed")
+        self.stats.count("sessions_closed", reason)
         event("session_close", session=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, reason=reason,
               ops=sum(c.ops for c in sess.channels), trimmed_bytes=trimmed, zeroed_bytes=sess.zeroed_bytes,
               files_removed=sess.files_removed, lived_s=f"{time.time() - sess.opened:.1f}")

@@ -1,14 +1,17 @@
-"""What bladed tells systemd and journald: ``sd_notify`` lines and log records
-in journald's ``<priority>message`` form (see docs/operations.md)."""
+"""What bladed tells systemd and journald: ``sd_notify`` lines, and its log as ``key=value``
+lines, in journald's ``<priority>line`` form under systemd (see docs/operations.md, "Logs")."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
 import sys
+from typing import Any
 
 from bladed.config import Config
+from bladed.logfmt import EVENT, FIELDS, render
 
 log = logging.getLogger("bladed")
 
@@ -31,12 +34,40 @@ def sd_notify(*items: str) -> bool:
         return False
 
 
-class JournalFormatter(logging.Formatter):
-    """``<prio>message``: journald takes the priority from the prefix and adds its own timestamp."""
+class LogfmtFormatter(logging.Formatter):
+    """One ``key=value`` line per record (docs/operations.md, "Logs").
+
+    ``level=info logger=bladed msg="..." k=v ...``, or ``... event=NAME k=v ...`` for
+    :func:`bladed.server.events.event`; a record's ``extra=fields(...)`` come after ``msg``, a
+    traceback as one quoted ``exc=`` value.  ``journal``: a ``<priority>`` prefix and no timestamp
+    (journald takes the priority from it and stamps the line itself); otherwise ``ts=`` (UTC) first.
+    """
+
+    def __init__(self, journal: bool) -> None:
+        super().__init__()
+        self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        msg = super().format(record).replace("\n", " | ")
-        return f"<{_PRIORITY.get(record.levelno, 6)}>{msg}"
+        head: dict[str, Any] = {}
+        if not self.journal:
+            ts = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+            head["ts"] = ts.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        head["level"] = record.levelname.lower()
+        head["logger"] = record.name
+        name = getattr(record, EVENT, None)
+        if name is not None:
+            head["event"] = name
+        else:
+            head["msg"] = record.getMessage()
+        extra = getattr(record, FIELDS, None)
+        if isinstance(extra, dict):
+            head.update({k: v for k, v in extra.items() if k not in head})
+        if record.exc_info:
+            head["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            head["stack"] = self.formatStack(record.stack_info)
+        line = render(head)
+        return f"<{_PRIORITY.get(record.levelno, 6)}>{line}" if self.journal else line
 
 
 def under_journald() -> bool:
@@ -44,18 +75,34 @@ def under_journald() -> bool:
 
 
 def setup_logging(cfg: Config) -> None:
-    """One stderr handler: journald's form under systemd (``log.format``), timestamps otherwise."""
+    """One stderr handler writing :class:`LogfmtFormatter` lines: journald's form under systemd
+    (``log.format``), timestamps otherwise; the level is ``log.level``."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
     fmt = cfg.log.format
-    if fmt == "journal" or (fmt == "auto" and under_journald()):
-        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(LogfmtFormatter(journal=fmt == "journal" or (fmt == "auto" and under_journald())))
     root.addHandler(handler)
     root.setLevel(cfg.log.level.upper())
 
 
-__all__ = ["JournalFormatter", "sd_notify", "setup_logging", "under_journald"]
+def report_error(message: str) -> None:
+    """The one line for an error that stops bladed, on stderr.
+
+    In journald's form (``log.format``, or before :func:`setup_logging` ran, ``JOURNAL_STREAM``):
+    ``<3>level=error logger=bladed msg="..."``, so that the journal files it as an error; otherwise
+    ``bladed: message`` for the person at the terminal.
+    """
+    formatter = next((h.formatter for h in logging.getLogger().handlers if isinstance(h.formatter, LogfmtFormatter)),
+                     None)
+    if formatter is not None and formatter.journal:
+        log.error("%s", message)
+    elif formatter is None and under_journald():
+        record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+        print(LogfmtFormatter(journal=True).format(record), file=sys.stderr)
+    else:
+        print(f"bladed: {message}", file=sys.stderr)
+
+
+__all__ = ["LogfmtFormatter", "report_error", "sd_notify", "setup_logging", "under_journald"]
