@@ -48,7 +48,8 @@ class ChildCgroup:
     """A memory cgroup below ours (or below ``parent``), removed on :meth:`remove`."""
 
     def __init__(self, limit_bytes: int | None = None, *, parent: ChildCgroup | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, base: str | None = None) -> None:
+        """``base``: a v2 cgroup directory with no process of its own (a delegated subtree) to create it in."""
         if os.geteuid() != 0:
             raise PermissionError(errno.EPERM, "child memory cgroups need root (run the suite as root, as CI does)")
         from bladed.residency.budget import locate_memory_cgroup
@@ -57,6 +58,8 @@ class ChildCgroup:
         self.path: str
         if parent is not None:
             self.version, base = parent.version, parent.path
+        elif base is not None:
+            self.version = "v2"
         else:
             info = locate_memory_cgroup()
             if info.version == "none":

@@ -346,3 +346,22 @@ def test_the_block_store_of_a_live_daemon_is_in_use(loop_device: str, nowhere: s
         line = one_line(run("ns", "check", loop_device, cwd=nowhere), 1)
         assert line == (f"{loop_device} is in use by bladed pid {d.pid} (socket {d.socket_path}); "
                         "stop that bladed first to set its store up again")
+
+
+def test_ns_setup_prints_the_shipped_device_dropin_for_its_device() -> None:
+    """The drop-in `ns setup` prints is systemd/dropins/nvme-device.conf for the device it set up, with
+    systemd's own escaping of the device unit's name."""
+    import shutil
+
+    from bladed.cli.bladectl import device_dropin, systemd_escape_path
+
+    for path in ("/dev/bladed/kv", "/dev/ng0n1", "/dev/disk/by-id/nvme-QEMU_NVMe_Ctrl_nvmevm0-1"):
+        want = subprocess.run(["systemd-escape", "--path", path], capture_output=True, text=True, check=True)
+        assert systemd_escape_path(path) == want.stdout.strip()
+    assert shutil.which("systemd-escape")
+
+    def directives(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+    with open(os.path.join(ROOT, "systemd", "dropins", "nvme-device.conf")) as f:
+        assert directives(device_dropin("/dev/bladed/kv")) == directives(f.read())

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from daemon_util import ROOT, DaemonProcess, short_tmpdir
 
 UNIT = os.path.join(ROOT, "systemd", "bladed.service")
+DROPINS = os.path.join(ROOT, "systemd", "dropins")
 RULE = os.path.join(ROOT, "udev", "60-bladed.rules")
-BINARY = "/usr/local/bin/bladed"
+BINARY = "/opt/bladed/bin/bladed"          # the install layout (tools/install.sh)
+MAX_EXPOSURE = 2.5                         # systemd-analyze security's scale: 0 (safe) .. 10 (exposed)
 
 
-def unit_directives() -> dict[str, list[str]]:
+def directives(path: str) -> dict[str, list[str]]:
+    """Every ``Key=value`` of a unit or drop-in file, in order (a key may repeat)."""
     out: dict[str, list[str]] = {}
-    with open(UNIT) as f:
+    with open(path) as f:
         for line in f:
             line = line.strip()
             if line and not line.startswith(("#", "[")):
@@ -28,28 +33,60 @@ def unit_directives() -> dict[str, list[str]]:
     return out
 
 
-def test_unit_passes_systemd_analyze_verify(tmp_path) -> None:
-    """Verified as shipped, with only the binary path pointed at this checkout's bladed."""
+def unit_dir(tmp_path: Path, *dropins: str) -> Path:
+    """The shipped unit, its binary replaced by an executable, beside a ``bladed.service.d`` with
+    ``dropins``: systemd-analyze reads the drop-in directory next to a unit file it is given."""
     exe = tmp_path / "bladed"
     exe.write_text(f"#!/bin/sh\nexec {sys.executable} -m bladed.server \"$@\"\n")
     exe.chmod(0o755)
     with open(UNIT) as f:
         text = f.read()
     assert text.count(BINARY) == 2  # ExecStartPre (config check) and ExecStart
-    unit = tmp_path / "bladed.service"
-    unit.write_text(text.replace(BINARY, str(exe)))
+    (tmp_path / "bladed.service").write_text(text.replace(BINARY, str(exe)))
+    (tmp_path / "bladed.service.d").mkdir()
+    for name in dropins:
+        shutil.copyfile(os.path.join(DROPINS, name), tmp_path / "bladed.service.d" / name)
+    return tmp_path / "bladed.service"
+
+
+def exposure(unit: Path) -> float:
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+                       capture_output=True, text=True)
+    m = re.search(r"Overall exposure level for bladed\.service: (\d+\.\d+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("dropins", [(), ("nvme-device.conf",), ("nvme-device.conf", "cap-sys-admin.conf"),
+                                     ("nvme-device.conf", "cap-sys-admin.conf", "metrics-tcp.conf")],
+                         ids=["shipped", "nvme", "nvme-kernel<6.2", "nvme-kernel<6.2-metrics-tcp"])
+def test_unit_and_dropins_pass_verify_and_stay_below_exposure_2_5(tmp_path: Path, dropins: tuple[str, ...]) -> None:
+    """Verified as shipped (and with the shipped drop-ins), only the binary path pointed at this checkout."""
+    unit = unit_dir(tmp_path, *dropins)
     r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    level = exposure(unit)
+    print(f"systemd-analyze security, {' + '.join(('bladed.service', *dropins))}: {level}")
+    assert level <= MAX_EXPOSURE
 
 
-def test_unit_declares_notify_directories_and_hardening() -> None:
-    d = unit_directives()
+def test_unit_declares_notify_user_directories_and_hardening() -> None:
+    d = directives(UNIT)
     assert d["Type"] == ["notify"] and d["NotifyAccess"] == ["main"]
+    assert d["User"] == ["bladed"] and d["Group"] == ["bladed"]
     assert d["ExecReload"] == ["/bin/kill -HUP $MAINPID"] and d["KillSignal"] == ["SIGTERM"]
     assert d["RuntimeDirectory"] == ["bladed"] and d["StateDirectory"] == ["bladed"]
-    assert d["NoNewPrivileges"] == ["yes"] and d["ProtectSystem"] == ["strict"]
-    assert d["DevicePolicy"] == ["closed"] and d["DeviceAllow"] == ["/dev/ng0n1 rw"]
     assert d["LimitMEMLOCK"] == ["infinity"] and d["MemoryAccounting"] == ["yes"]
+    # no capability, no device node, no network as shipped
+    assert d["CapabilityBoundingSet"] == [""] and d["AmbientCapabilities"] == [""]
+    assert d["PrivateDevices"] == ["yes"] and "DeviceAllow" not in d
+    assert d["PrivateNetwork"] == ["yes"] and d["RestrictAddressFamilies"] == ["AF_UNIX"]
+    assert d["NoNewPrivileges"] == ["yes"] and d["ProtectSystem"] == ["strict"] and d["PrivateMounts"] == ["yes"]
+    assert d["SystemCallFilter"][0].split()[:4] == ["@system-service", "io_uring_setup", "io_uring_enter",
+                                                    "io_uring_register"]
+    # the deprecated udev-settle is gone: nvme-device.conf orders the unit after its device
+    with open(UNIT) as f:
+        assert "systemd-udev-settle.service" not in f.read()
     # the unit's paths are the ones the shipped configuration uses
     with open(os.path.join(ROOT, "etc", "bladed.toml")) as f:
         cfg = f.read()
@@ -57,14 +94,33 @@ def test_unit_declares_notify_directories_and_hardening() -> None:
     assert d["ExecStart"] == [f"{BINARY} --config /etc/bladed/bladed.toml"]
 
 
-def test_udev_rule_gives_the_namespace_char_device_to_the_bladed_group() -> None:
+def udev_rule() -> str:
     with open(RULE) as f:
         rules = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     assert len(rules) == 1
-    pairs = dict(re.findall(r'([A-Z]+(?:\{\w+\})?)[=!+:]?=\s*"([^"]*)"', rules[0]))
+    return rules[0]
+
+
+def test_udev_rule_gives_the_namespace_char_device_to_the_bladed_group() -> None:
+    rule = udev_rule()
+    pairs = dict(re.findall(r'([A-Z]+(?:\{\w+\})?)[=!+:]?=\s*"([^"]*)"', rule))
     assert pairs["SUBSYSTEM"] == "nvme-generic" and pairs["KERNEL"].startswith("ng")
-    assert (pairs["GROUP"], pairs["MODE"], pairs["SYMLINK"]) == ("bladed", "0660", "bladed/kv")
-    assert all(re.fullmatch(r'[A-Z]+(\{\w+\})?(==|!=|\+=|:=|=)"[^"]*"', p.strip()) for p in rules[0].split(", "))
+    assert (pairs["GROUP"], pairs["MODE"], pairs["SYMLINK"], pairs["TAG"]) == ("bladed", "0660", "bladed/kv", "systemd")
+    # the namespace by its NSID (from its block device), not by the Y of ngXnY
+    assert pairs["PROGRAM"].endswith("/nsid") and pairs["RESULT"] == "1"
+    assert all(re.fullmatch(r'[A-Z]+(\{\w+\})?(==|!=|\+=|:=|=)"[^"]*"', p.strip()) for p in rule.split(", "))
+
+
+def test_nvme_dropin_resets_the_device_acl_and_waits_for_the_rule_s_device() -> None:
+    d = directives(os.path.join(DROPINS, "nvme-device.conf"))
+    link = "/dev/" + dict(re.findall(r'([A-Z]+)\+?=\s*"([^"]*)"', udev_rule()))["SYMLINK"]
+    device_unit = subprocess.run(["systemd-escape", "--path", "--suffix=device", link], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    assert device_unit == "dev-bladed-kv.device"
+    assert d["BindsTo"] == [device_unit] and d["After"] == [device_unit]
+    # an empty DeviceAllow= first: the drop-in replaces the list instead of adding to it
+    assert d["DeviceAllow"] == ["", f"{link} rw"] and d["DevicePolicy"] == ["closed"]
+    assert d["PrivateDevices"] == ["no"]
 
 
 def test_notify_sequence_reload_and_graceful_stop() -> None:
@@ -90,7 +146,7 @@ def test_journald_log_lines_carry_priorities() -> None:
     with short_tmpdir() as tmp:
         d = DaemonProcess(tmp, env={"JOURNAL_STREAM": "8:1234"}).start()
         line = d.wait_line("event=daemon_start")
-        assert line.startswith("<6>bladed.events: event=daemon_start ")
+        assert line.startswith("<6>level=info logger=bladed.events event=daemon_start ")
         assert d.stop() == 0
         assert d.wait_line("event=daemon_stop").startswith("<6>")
 

@@ -652,7 +652,7 @@ def ns_setup(target: str, backend: str, size_bytes: int, region_start: int, regi
         raise Failure(f"cannot write {output}: {e.strerror}; run as root or give another -o PATH",
                       "os_error") from None
     load_config(output)  # what the daemon will read back
-    dropin = f"[Service]\nDeviceAllow={os.path.realpath(target)} rw\n" if kind != "file" else ""
+    dropin = device_dropin(target) if kind != "file" else ""
     result = {"config": output, "backend": kind, "device": device, "formatted_lba_format": formatted,
               "systemd_dropin": dropin, "checks": [c.to_dict() for c in checks]}
 
@@ -662,9 +662,27 @@ def ns_setup(target: str, backend: str, size_bytes: int, region_start: int, regi
         if os.path.abspath(output) != SYSTEM_CONFIG:
             click.echo(f"clients find its socket with `bladectl -c {output}` or BLADED_SOCKET={cfg.socket_path}")
         if dropin:
-            click.echo("add to /etc/systemd/system/bladed.service.d/device.conf:\n" + dropin)
+            click.echo("write to /etc/systemd/system/bladed.service.d/device.conf (replaces the shipped "
+                       "systemd/dropins/nvme-device.conf):\n" + dropin)
 
     emit(result, human)
+
+
+def systemd_escape_path(path: str) -> str:
+    """``systemd-escape --path``: the unit-name form of a device path (``/dev/bladed/kv`` -> ``dev-bladed-kv``)."""
+    parts = [p for p in os.path.normpath(path).split("/") if p]
+    out = []
+    for part in parts:
+        esc = "".join(c if (c.isascii() and (c.isalnum() or c in ":_.")) else f"\\x{ord(c):02x}" for c in part)
+        out.append(("\\x2e" + esc[1:]) if esc.startswith(".") else esc)
+    return "-".join(out)
+
+
+def device_dropin(target: str) -> str:
+    """The drop-in that lets the hardened unit open ``target`` (the shape of systemd/dropins/nvme-device.conf)."""
+    unit = systemd_escape_path(target) + ".device"
+    return (f"[Unit]\nBindsTo={unit}\nAfter={unit}\n\n[Service]\nPrivateDevices=no\nDevicePolicy=closed\n"
+            f"DeviceAllow=\nDeviceAllow={target} rw\n")
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})

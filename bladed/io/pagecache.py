@@ -68,9 +68,10 @@ def cachestat(fd: int, offset: int, nbytes: int) -> CacheStat | None:
         return None
     out = ffi.new("uint64_t[5]")
     ret = lib.bd_cachestat(fd, offset, nbytes, out)
-    if ret == -errno.ENOSYS:
-        if _cachestat_ok is None:
-            log.info("cachestat(2) unavailable (kernel < 6.5); measuring residency with mincore(2)")
+    if ret in (-errno.ENOSYS, -errno.EPERM) and _cachestat_ok is None:
+        # ENOSYS: kernel < 6.5, or a seccomp filter that answers so; EPERM: a filter that denies it
+        log.info("cachestat(2) unavailable (%s: kernel < 6.5 or a seccomp filter); measuring residency with "
+                 "mincore(2)", errno.errorcode[-ret])
         _cachestat_ok = False
         return None
     if ret < 0:

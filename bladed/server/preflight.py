@@ -147,9 +147,12 @@ def check_device(cfg: Config) -> tuple[list[str], str]:
                           f"{format_size(n * lba)}")
     if d.backend != "file" and not os.path.exists(path):
         return [f"device.path: {path} does not exist (no such device); see `bladectl ns list`"], ""
-    opts: dict[str, object] = {"max_command_bytes": d.max_command_bytes}
+    opts: dict[str, object] = {}
     if d.backend == "file":
-        opts.update(size_bytes=None, lba_size=d.lba_size or 4096, create=False)
+        opts = {"size_bytes": None, "lba_size": d.lba_size or 4096, "max_command_bytes": d.max_command_bytes,
+                "create": False}
+    elif d.backend == "block":
+        opts = {"max_command_bytes": d.max_command_bytes}
     try:
         dev = open_device(d.backend, path, **opts)
     except PermissionError as e:

@@ -48,6 +48,9 @@ def _vm_problem() -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # tests that need the VM booted with --init systemd (tests/test_nvme_vm.py selects them by this marker)
+    config.addinivalue_line("markers", "systemd_vm: needs systemd as PID 1 on a cgroup-v2-only kernel "
+                                       "(run-in-nvme-vm.sh --init systemd)")
     problem = _vm_problem()
     if problem is not None:
         raise pytest.UsageError(
