@@ -34,7 +34,7 @@ from bladed.protocol import MIRROR, ErrorCode, IOOp, IORange, RangeResult, Reque
 from bladed.residency.budget import Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.geometry import GEOMETRY_FIELDS, PAGE_SIZE, Geometry, align_up, tensor_id, tensor_of
-from bladed.residency.planner import BudgetLedger, Mode, Path, Plan, plan_session
+from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
 from bladed.server.channel import Channel
 from bladed.server.events import Peer, event
 from bladed.server.integrity import Checksums
@@ -168,41 +168,47 @@ class Session:
     def _check(self, ranges: Sequence[IORange], limit: int) -> list[tuple[IORange, int, int, int]]:
         """Every range checked before anything runs: ``(range, kpu offset, bytes, slot offset)`` each."""
         g = self.geometry
-        tb, ntensors = g.token_bytes, 2 * g.layers
-        if len(ranges) > limit:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"a request of {len(ranges)} ranges exceeds "
+        tb, ntensors, max_tokens, slot_bytes = g.token_bytes, 2 * g.layers, g.max_tokens, self.slot_bytes
+        n = len(ranges)
+        if n > limit:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"a request of {n} ranges exceeds "
                                                       f"io.max_outstanding ({limit}); split it")
         out = []
         seen: set[int] = set()
         for i, r in enumerate(ranges):
-            where = f"range {i}" if len(ranges) > 1 else "the range"
-            if not 0 <= r.tensor_id < ntensors:
-                layer, kind = tensor_of(r.tensor_id)
-                raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: layer {layer} {kind.upper()} (tensor "
-                                                           f"{r.tensor_id}) outside the session's layers "
-                                                           f"0..{g.layers - 1}")
-            if r.tensor_id in seen:
-                layer, kind = tensor_of(r.tensor_id)
-                raise RequestError(ErrorCode.BAD_REQUEST, f"{where}: layer {layer} {kind.upper()} appears twice in "
-                                                          "one request; send the second range in another request")
-            seen.add(r.tensor_id)
-            end = r.token_start + r.ntokens
-            if r.ntokens < 1 or end > g.max_tokens:
-                raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: tokens [{r.token_start}, {end}) outside the "
-                                                           f"KPU's 0..{g.max_tokens} tokens")
-            nbytes = r.ntokens * tb
-            so = r.token_start * tb if r.slot_offset == MIRROR else r.slot_offset
-            if so + nbytes > self.slot_bytes:
-                raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: slot bytes [{so}, {so + nbytes}) outside the "
-                                                           f"channel's {self.slot_bytes}-byte slot")
-            out.append((r, r.token_start * tb, nbytes, so))
-        if len(out) > 1:
-            spans = sorted((so, so + n, i) for i, (_, _, n, so) in enumerate(out))
+            tid, t0, nt = r.tensor_id, r.token_start, r.ntokens
+            nbytes = nt * tb
+            so = t0 * tb if r.slot_offset == MIRROR else r.slot_offset
+            if not 0 <= tid < ntensors or tid in seen or nt < 1 or t0 + nt > max_tokens or so + nbytes > slot_bytes:
+                self._refuse_range(i, n, r, so, nbytes, seen)
+            seen.add(tid)
+            out.append((r, t0 * tb, nbytes, so))
+        if n > 1:
+            spans = sorted((so, so + nb, i) for i, (_, _, nb, so) in enumerate(out))
             for (_, e1, i1), (s2, _, i2) in itertools.pairwise(spans):
                 if s2 < e1:
                     raise RequestError(ErrorCode.BAD_REQUEST, f"ranges {min(i1, i2)} and {max(i1, i2)} overlap in the "
                                                               "staging slot; give them disjoint slot offsets")
         return out
+
+    def _refuse_range(self, i: int, n: int, r: IORange, so: int, nbytes: int, seen: set[int]) -> None:
+        """The RequestError for range ``i`` of ``n`` that :meth:`_check` found bad, naming it."""
+        g = self.geometry
+        where = f"range {i}" if n > 1 else "the range"
+        layer, kind = tensor_of(r.tensor_id)
+        if not 0 <= r.tensor_id < 2 * g.layers:
+            raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: layer {layer} {kind.upper()} (tensor "
+                                                       f"{r.tensor_id}) outside the session's layers "
+                                                       f"0..{g.layers - 1}")
+        if r.tensor_id in seen:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{where}: layer {layer} {kind.upper()} appears twice in "
+                                                      "one request; send the second range in another request")
+        end = r.token_start + r.ntokens
+        if r.ntokens < 1 or end > g.max_tokens:
+            raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: tokens [{r.token_start}, {end}) outside the "
+                                                       f"KPU's 0..{g.max_tokens} tokens")
+        raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: slot bytes [{so}, {so + nbytes}) outside the "
+                                                   f"channel's {self.slot_bytes}-byte slot")
 
     def execute(self, ch_index: int, ranges: Sequence[IORange], limit: int) -> list[RangeResult]:
         """Run one request (a batch of ranges) on channel ``ch_index``; one result per range, in order.
@@ -224,11 +230,14 @@ class Session:
             try:
                 accesses = [Access(r.op, kpu, r.token_start, r.ntokens, off, n, so)
                             for (r, off, n, so), kpu in zip(checked, kpus, strict=True)]
-                pc = [a for a in accesses if a.kpu.path is Path.PAGECACHE]
+                pc: list[Access] = []
+                direct: list[Access] = []
+                for a in accesses:
+                    (direct if a.direct else pc).append(a)
                 if pc:
                     pagecache.run(ch, pc)
-                if len(pc) < len(accesses):
-                    extent_store.run(ch, [a for a in accesses if a.kpu.path is Path.DIRECT])
+                if direct:
+                    extent_store.run(ch, direct)
                 self._after(ch, accesses)
             finally:
                 live.end_all(tids)
@@ -243,19 +252,20 @@ class Session:
             if r.error is None and self.checksums is not None:
                 # record (write) or verify (read) the crc32c of each token row: bladed.server.integrity
                 try:
-                    self.checksums.after(a.is_write, a.kpu.tensor_id, f"layer {a.kpu.layer} {a.kpu.kind.upper()}",
+                    self.checksums.after(a.write, a.kpu.tensor_id, f"layer {a.kpu.layer} {a.kpu.kind.upper()}",
                                          ch.slot.view(), a.slot_offset, a.token_start, a.ntokens)
                 except RequestError as e:
                     self.stats.add("integrity_errors")
                     a.fail(e.code, e.message)
-            op = "write" if a.is_write else "read"
+            op = "write" if a.write else "read"
+            path = a.kpu.path          # a StrEnum: the path's name as the stats key
             if r.error is not None:
-                self.stats.io_error(a.kpu.path.value, op)
+                self.stats.io_error(path, op)
                 continue
-            if a.is_write:
+            if a.write:
                 self.live.wrote(a.kpu.tensor_id, a.token_start + a.ntokens)
             hit = None if r.hit_bytes is None else r.hit_bytes / a.nbytes
-            self.stats.observe_io(a.kpu.path.value, op, a.nbytes, r.service_ns / 1e9, hit)
+            self.stats.observe_io(path, op, a.nbytes, r.service_ns / 1e9, hit)
 
 
 class SessionManager:

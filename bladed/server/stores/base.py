@@ -7,10 +7,13 @@ import time
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from bladed.protocol import ErrorCode, IOOp, RangeResult
+from bladed.residency.planner import Path
+
+_DIRECT = Path.DIRECT
 
 if TYPE_CHECKING:
     from bladed.io import Engine, StagingBuffer
-    from bladed.residency.planner import KPU, Path
+    from bladed.residency.planner import KPU
 
 
 class ChannelIO(Protocol):
@@ -28,12 +31,15 @@ class Access:
     and bytes ``[slot_offset, slot_offset + nbytes)`` of the channel's slot.
     """
 
-    __slots__ = ("kpu", "nbytes", "ntokens", "offset", "op", "result", "slot_offset", "token_start")
+    __slots__ = ("direct", "kpu", "nbytes", "ntokens", "offset", "op", "result", "slot_offset", "token_start",
+                 "write")
 
     def __init__(self, op: IOOp, kpu: KPU, token_start: int, ntokens: int, offset: int, nbytes: int,
                  slot_offset: int) -> None:
         self.op = op
+        self.write = op is IOOp.WRITE
         self.kpu = kpu
+        self.direct = kpu.path is _DIRECT
         self.token_start = token_start
         self.ntokens = ntokens
         self.offset = offset
@@ -47,7 +53,7 @@ class Access:
 
     @property
     def is_write(self) -> bool:
-        return self.op is IOOp.WRITE
+        return self.write
 
     def fail(self, code: ErrorCode, message: str) -> None:
         self.result.error = code

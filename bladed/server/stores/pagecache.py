@@ -58,15 +58,16 @@ class PageCacheKPUStore(KPUStore):
 
     def run(self, ch: ChannelIO, accesses: list[Access]) -> None:
         slot = ch.slot
+        base, keep = slot.address, slot.memory()     # the slot's memory stays mapped until we are done
         for a in accesses:
             t0 = time.monotonic_ns()
             f = self._files[a.kpu.tensor_id]
             try:
-                if a.is_write:
-                    f.write_from(slot, a.offset, a.nbytes, src_offset=a.slot_offset)
+                if a.write:
+                    f.write_from(base + a.slot_offset, a.offset, a.nbytes)
                     hit = None
                 else:
-                    hit = round(f.read_into(slot, a.offset, a.nbytes, dst_offset=a.slot_offset) * a.nbytes)
+                    hit = round(f.read_into(base + a.slot_offset, a.offset, a.nbytes) * a.nbytes)
                 if a.kpu.drop_after_use:
                     # CachePolicy-Only (Table III): Group 2 is evicted right after use
                     f.drop()
@@ -74,6 +75,7 @@ class PageCacheKPUStore(KPUStore):
                 a.fail(ErrorCode.IO_ERROR, f"page-cache {a.op.name.lower()} of {a.kpu.name}: {e}")
                 continue
             a.served(Path.PAGECACHE, t0, hit)
+        del keep
 
     def drop(self, tensor_id: int) -> None:
         """Evict one KPU's pages now (a CachePolicy-Only demotion)."""
