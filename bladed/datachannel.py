@@ -94,7 +94,7 @@ class DataChannel:
         try:
             self._sock.sendall(data)
         except OSError as e:
-            raise self._fail(self._lost_error(e.strerror or str(e))) from None
+            raise self._fail(self._parting_error() or self._lost_error(e.strerror or str(e))) from None
         self._sent.append(req_id)
         return req_id
 
@@ -165,6 +165,24 @@ class DataChannel:
             with self._lock:
                 fut = self._futures.popleft()
             fut.set_result(results)
+
+    def _parting_error(self) -> BladedError | None:
+        """The error the daemon sent before closing the connection (a send then fails), if any.
+
+        Only without a pump: the pump thread owns the reading side then, and reports it itself."""
+        if self._pump is not None:
+            return None
+        try:
+            self._sock.settimeout(1.0)     # the peer has closed: buffered bytes or EOF come at once
+            fmt, body = self._stream.read()
+        except (ConnectionClosed, FrameError, OSError):
+            return None
+        if fmt == IO_FORMAT:
+            return None
+        try:
+            return error_from_reply(json.loads(bytes(body)))
+        except ValueError:
+            return None
 
     def _lost_error(self, why: str) -> DaemonLostError:
         return DaemonLostError(f"lost connection to bladed at {self.socket_path} (data connection of channel "

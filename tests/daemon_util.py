@@ -498,3 +498,12 @@ def serve_commands(socket_path: str) -> None:  # pragma: no cover - runs in the 
 if __name__ == "__main__":  # pragma: no cover
     sys.path.insert(0, ROOT)
     serve_commands(sys.argv[1])
+
+
+def documented_exit_statuses(header: str) -> set[int]:
+    """The statuses in the docs/operations.md table whose header row starts with ``header``."""
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        doc = f.read()
+    table = doc[doc.index(f"| {header} | meaning |"):]
+    table = table[:table.index("\n\n")]
+    return {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.MULTILINE)}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import pytest
 from bladectl_util import bladectl as run
 from bladectl_util import failure, one_line, one_object
 from click.testing import CliRunner, Result
-from daemon_util import ROOT, DaemonProcess, env_with_repo, short_tmpdir
+from daemon_util import ROOT, DaemonProcess, documented_exit_statuses, env_with_repo, short_tmpdir
 
 from bladed.cli.bladectl import EXIT_STATUSES, cli
 from bladed.client import Client
@@ -246,12 +245,7 @@ def test_bench_help_is_bladectls(nowhere: str) -> None:
 
 
 def test_exit_statuses_are_documented() -> None:
-    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
-        doc = f.read()
-    table = doc[doc.index("| status | meaning |"):]
-    table = table[:table.index("\n\n")]
-    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.MULTILINE)}
-    assert documented == {status for status, _ in EXIT_STATUSES}
+    assert documented_exit_statuses("bladectl status") == {status for status, _ in EXIT_STATUSES}
 
 
 def test_a_missing_dev_path_is_never_a_file_store(nowhere: str) -> None:

@@ -9,6 +9,7 @@ peer's session; closing the session ends its data connections.
 from __future__ import annotations
 
 import os
+import select
 import socket
 from collections.abc import Iterator
 
@@ -140,7 +141,8 @@ def test_attach_reveals_nothing_of_sessions_it_may_not_use(daemon: DaemonProcess
             c.call("attach", session=s.id, channel=0, token=token)
 
 
-def test_frames_of_the_wrong_kind_break_the_connection(daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize("wait_for_close", [False, True], ids=["racing", "after_close"])
+def test_frames_of_the_wrong_kind_break_the_connection(daemon: DaemonProcess, wait_for_close: bool) -> None:
     sock, reader = control(daemon)
     sock.sendall(encode_io_request(1, [IORange(IOOp.READ, 0, 0, 1)]))
     body = reader.read().body
@@ -149,6 +151,11 @@ def test_frames_of_the_wrong_kind_break_the_connection(daemon: DaemonProcess) ->
     with Client(daemon.socket_path) as c, c.open_session(GEO, channels=1) as s:
         dc = s.channel(0)
         send_frame(dc._sock, {"op": "status", "id": 3})
+        if wait_for_close:
+            # the next request's send then fails (EPIPE); the daemon's reason must still be what is raised
+            poller = select.poll()
+            poller.register(dc._sock, select.POLLHUP)
+            assert poller.poll(10_000), "the daemon kept a data connection that sent a JSON frame"
         with pytest.raises(ProtocolError, match="a JSON frame on a data connection"):
             dc.submit([s.range("read", 0, "k")])
 

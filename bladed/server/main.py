@@ -29,12 +29,16 @@ EXIT_CONFIG = 2        # bad usage, configuration, or what it names (paths, devi
 EXIT_BUG = 70          # an unexpected error: a bug (EX_SOFTWARE)
 EXIT_INTERRUPTED = 130
 
-EPILOG = f"""exit status:
-  {EXIT_OK}    stopped cleanly (SIGTERM/SIGINT: sessions drained, extents TRIMmed)
-  {EXIT_BUSY}    another bladed holds the state directory
-  {EXIT_CONFIG}    bad usage or configuration: the message names the key, the problem and the fix
-  {EXIT_BUG}   an unexpected error (a bug): rerun with --debug for the traceback and report it
-"""
+#: (status, meaning) for ``bladed --help`` and the table in docs/operations.md
+EXIT_STATUSES = (
+    (EXIT_OK, "stopped cleanly (SIGTERM/SIGINT: sessions drained, extents TRIMmed)"),
+    (EXIT_BUSY, "another bladed holds the state directory"),
+    (EXIT_CONFIG, "bad usage or configuration: the message names the key, the problem and the fix"),
+    (EXIT_BUG, "an unexpected error (a bug): rerun with --debug for the traceback and report it"),
+    (EXIT_INTERRUPTED, "interrupted before start-up finished (Ctrl-C)"),
+)
+
+EPILOG = "exit status:\n" + "".join(f"  {n:<4} {what}\n" for n, what in EXIT_STATUSES)
 
 
 def build_parser() -> argparse.ArgumentParser:
