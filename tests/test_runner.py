@@ -89,13 +89,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield sock
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["", "deferred-writes"])
 @pytest.mark.parametrize("mode", ["baseline", "cachepolicy", "direct", "dualblade"])
-def test_kv_through_bladed_equals_in_memory_in_every_mode(case: Case, daemon: str, mode: str) -> None:
+def test_kv_through_bladed_equals_in_memory_in_every_mode(case: Case, daemon: str, mode: str, defer: bool) -> None:
     from bladed.client import Client
 
     with Client(socket_path=daemon) as client:
         def factory(g: Geometry) -> BladedKV:
-            return BladedKV.open(g, mode=mode, channels=2, client=client)
+            return BladedKV.open(g, mode=mode, channels=2, client=client, defer_writes=defer)
 
         res = run(case.model, case.ids, 6, factory=factory)
     assert_same(res, case.in_memory)
@@ -104,6 +105,23 @@ def test_kv_through_bladed_equals_in_memory_in_every_mode(case: Case, daemon: st
         assert set(res.stats) == expect[mode]
     assert sum(s["read_bytes"] for s in res.stats.values()) > 0
     assert res.plans and res.plans[0]["kpus"]
+
+
+@pytest.mark.parametrize("policy", [
+    {"pipeline": "intra"}, {"pipeline": "cross"}, {"pipeline": "off", "overlap": False},
+    {"cache_gpu_percent": 50}, {"num_gpu_batches": 2},
+], ids=str)
+def test_deferred_writes_through_bladed_equal_in_memory_kv_for_every_strategy(case: Case, daemon: str,
+                                                                             policy: dict) -> None:
+    """Appends that ride on the next read's request land before any read of their KPU, on every schedule."""
+    from bladed.client import Client
+
+    ids = case.ids if "num_gpu_batches" not in policy else prompt(case.cfg, 4, 7, seed=5)
+    ref = run(case.model, ids, 6, **policy)
+    with Client(socket_path=daemon) as client:
+        res = run(case.model, ids, 6, factory=lambda g: BladedKV.open(g, channels=2, client=client,
+                                                                      defer_writes=True), **policy)
+    assert_same(res, ref)
 
 
 def test_cli_reports_flexllmgen_lines_and_json(capsys: pytest.CaptureFixture[str]) -> None:

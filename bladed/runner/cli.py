@@ -444,7 +444,8 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                                  "or less")
 
             def factory(g: Geometry) -> KVBackend:
-                return BladedKV.open(g, mode=a.mode, channels=a.copy_threads, client=client)
+                # with --overlap writes are not waited for: a decode step's appends ride on the next read
+                return BladedKV.open(g, mode=a.mode, channels=a.copy_threads, client=client, defer_writes=a.overlap)
         lm = load_model(model_name, dtype, a.state_dir, a.seed, progress=progress.step)
         cfg = lm.model.cfg
         if a.prompt is not None and lm.tokenizer is None:

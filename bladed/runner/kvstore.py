@@ -184,38 +184,62 @@ class MemoryKV:
         self._store.clear()
 
 
+#: token rows a channel's slot keeps aside for deferred writes (``BladedKV(defer_writes=True)``)
+DEFER_ROWS = 4
+
+
 class BladedKV:
     """A ``bladed.client`` session as a KV backend.
 
     ``session`` is an open ``Session``; ``geometry`` must be the one it was
     opened with. Use :meth:`open` to open the session from a client.
+
+    With ``defer_writes`` a small write (a decode step's append) is not sent
+    at once: its rows are copied to a spare area at the end of the channel's
+    slot (``DEFER_ROWS`` rows; the KPU-shaped part of the slot is free for the
+    next copy at once) and the channel's next read carries the write in the
+    same batched request: one request per channel and layer instead of two.
+    A read of a KPU with a write pending sends that write first; a full spare
+    area, a large write, :meth:`flush` and :meth:`close` send what is pending.
+    For callers that do not wait for their writes anyway (the runner with
+    ``overlap``): a failed deferred write raises at the request that carried
+    it.
     """
 
-    def __init__(self, session: Any, geometry: Geometry, owns_client: Any = None) -> None:
+    def __init__(self, session: Any, geometry: Geometry, owns_client: Any = None, *,
+                 defer_writes: bool = False) -> None:
         self.session = session
         self.geometry = geometry
         self._client = owns_client
         self._groups: dict[tuple[int, str], int] = {}
+        self._paths: dict[tuple[int, str], str] = {}
         plan = getattr(session, "plan", None) or {}
         for kpu in plan.get("kpus", []) if isinstance(plan, dict) else []:
             try:
-                self._groups[(int(kpu["layer"]), str(kpu["kind"]))] = int(kpu["group"])
+                key = (int(kpu["layer"]), str(kpu["kind"]))
+                self._groups[key] = int(kpu["group"])
+                self._paths[key] = str(kpu["path"])
             except (KeyError, TypeError, ValueError):
                 continue
         self._nslots = int(getattr(session, "channels", 0) or 0)
+        tb = geometry.token_bytes
+        spare = int(getattr(session, "slot_bytes", 0) or 0) - geometry.kpu_bytes
+        self.defer_writes = defer_writes and spare >= tb
+        self._spare_rows = spare // tb if self.defer_writes else 0
+        self._deferred: list[list[Any]] = [[] for _ in range(self._nslots)]
+        self._spare_used = [0] * self._nslots
 
     @classmethod
     def open(cls, geometry: Geometry, mode: str = "dualblade", channels: int = 2,
-             socket_path: str | None = None, client: Any = None) -> BladedKV:
+             socket_path: str | None = None, client: Any = None, *, defer_writes: bool = False) -> BladedKV:
         from bladed import client as bclient  # floor 2: only the client library
 
         own = None
         if client is None:
             client = own = bclient.Client(socket_path=socket_path)
-        sess = client.open_session(geometry, mode=mode, channels=channels)
-        kv = cls(sess, geometry, owns_client=own)
-        kv._nslots = channels
-        return kv
+        slot = geometry.kpu_bytes + (DEFER_ROWS * geometry.token_bytes if defer_writes else 0)
+        sess = client.open_session(geometry, mode=mode, channels=channels, slot_bytes=slot)
+        return cls(sess, geometry, owns_client=own, defer_writes=defer_writes)
 
     prepinned = True  # the client registers the staging mapping with CUDA itself
 
@@ -235,15 +259,46 @@ class BladedKV:
 
     def write(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
               ntokens: int | None = None) -> Any:
-        return self.session.write(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        n = self.geometry.max_tokens - token_start if ntokens is None else ntokens
+        if not self.defer_writes or n > self._spare_rows:
+            self.flush(ch)
+            return self.session.write(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        if self._spare_used[ch] + n > self._spare_rows:
+            self.flush(ch)
+        tb, kpu = self.geometry.token_bytes, self.geometry.kpu_bytes
+        at = kpu + self._spare_used[ch] * tb
+        slot = self.session.slot(ch)
+        slot[at:at + n * tb] = slot[token_start * tb:(token_start + n) * tb]
+        self._spare_used[ch] += n
+        self._deferred[ch].append(self.session.range("write", layer, kind, token_start, n, slot_offset=at))
+        # what the write will do; its outcome arrives with the channel's next request
+        return KVOp(self._paths.get((layer, kind), "?"), n * tb, 0, None)
 
     def read(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
              ntokens: int | None = None) -> Any:
-        return self.session.read(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        pending = self._deferred[ch] if self.defer_writes else None
+        if not pending:
+            return self.session.read(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        rng = self.session.range("read", layer, kind, token_start, ntokens)
+        if any(w.tensor_id == rng.tensor_id for w in pending):
+            self.flush(ch)                       # a request names each KPU once: the write goes first
+            return self.session.read(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        self._deferred[ch], self._spare_used[ch] = [], 0
+        return self.session.submit(ch, [*pending, rng])[-1]
+
+    def flush(self, ch: int | None = None) -> None:
+        """Send the deferred writes of channel ``ch`` (default: every channel)."""
+        for c in range(self._nslots) if ch is None else (ch,):
+            pending, self._deferred[c], self._spare_used[c] = self._deferred[c], [], 0
+            if pending:
+                self.session.submit(c, pending)
 
     def close(self) -> None:
         try:
-            self.session.close()
+            try:
+                self.flush()
+            finally:
+                self.session.close()
         finally:
             if self._client is not None:
                 self._client.close()
