@@ -221,16 +221,30 @@ def where() -> SocketLocation:
                       "--socket or BLADED_SOCKET", "config", EXIT_USAGE) from None
 
 
-@contextlib.contextmanager
-def connected() -> Iterator[Any]:
-    """A client of the bladed found by the socket rule; BladedErrors become Failures."""
+def _connect(wait_s: float = 0.0) -> Any:
+    """A client of the bladed found by the socket rule, trying for up to ``wait_s`` seconds.
+
+    The rule is applied again at every try: ``./var/bladed/bladed.sock`` counts only once it exists."""
     from bladed.client import Client
 
-    try:
-        client = Client(where(), name="bladectl")
-    except BladedError as e:
-        code = "no_daemon" if isinstance(e, DaemonLostError) else e.code.value
-        raise Failure(str(e), code, EXIT_NO_DAEMON) from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Client(where(), name="bladectl")
+        except DaemonLostError as e:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)     # a daemon just started: its socket appears when it is ready to serve
+                continue
+            waited = f" (waited {wait_s:g} s)" if wait_s else ""
+            raise Failure(f"{e}{waited}", "no_daemon", EXIT_NO_DAEMON) from None
+        except BladedError as e:
+            raise Failure(str(e), e.code.value, EXIT_NO_DAEMON) from None
+
+
+@contextlib.contextmanager
+def connected(wait_s: float = 0.0) -> Iterator[Any]:
+    """A client of the bladed found by the socket rule; BladedErrors become Failures."""
+    client = _connect(wait_s)
     with client:
         try:
             yield client
@@ -240,8 +254,8 @@ def connected() -> Iterator[Any]:
             raise Failure(str(e), e.code.value, EXIT_FAILED) from None
 
 
-def call(what: Callable[[Any], Any]) -> Any:
-    with connected() as c:
+def call(what: Callable[[Any], Any], wait_s: float = 0.0) -> Any:
+    with connected(wait_s) as c:
         return what(c)
 
 
@@ -295,9 +309,11 @@ def cli() -> None:
 # -- daemon commands --------------------------------------------------------------------------
 @cli.command()
 @global_options
-def status() -> None:
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0, metavar="SECONDS", show_default=True,
+              help="Wait up to SECONDS for bladed to answer (a daemon just started in the background).")
+def status(wait_s: float) -> None:
     """Daemon version, device, region, sessions and extents."""
-    data = call(lambda c: c.status())
+    data = call(lambda c: c.status(), wait_s)
 
     def human(d: dict[str, Any]) -> None:
         dev, reg, ext = d["device"], d["region"], d["extents"]
