@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Before/after table of issue 13's sweep rows: two KV-sweep JSONs (tools/bench_kv.py sweep), same workload.
+
+Config against config: the ratio of the medians at each limit (as issue 13 reads a sweep); against the two-tier
+ideal T_ideal: runs of the same round (repetition and limit), median over the repetitions; appends: the median
+over runs of the per-run average latency, against the sweep's bare in-process io_uring write.
+
+    python3 tools/kv_sweep_delta.py BEFORE.json AFTER.json     # prints a Markdown table
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any
+
+GiB = 1 << 30
+
+
+def load(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def sweep_runs(d: dict[str, Any]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    out = {}
+    for r in d["runs"]:
+        if r.get("study") == "sweep" and r.get("error") is None and "decode_s" in r:
+            out[(r["config"], r["limit_bytes"], r["rep"])] = r
+    return out
+
+
+def paired(runs: dict, a: str, b: Any, limit: int, field: str) -> list[float]:
+    """Ratios a/b per repetition; b may be a config name or a callable(rep) -> value."""
+    vals = []
+    for (cfg, lim, rep), r in runs.items():
+        if cfg != a or lim != limit:
+            continue
+        den = b(rep) if callable(b) else (runs.get((b, lim, rep)) or {}).get(field)
+        if den:
+            vals.append(r[field] / den)
+    return vals
+
+
+def ratio_of_medians(runs: dict, a: str, b: str, limit: int, field: str) -> str:
+    """median(a) / median(b) over the repetitions at one limit (the issue's way of reading the sweep)."""
+    xa = [r[field] for (c, lim, _), r in runs.items() if c == a and lim == limit]
+    xb = [r[field] for (c, lim, _), r in runs.items() if c == b and lim == limit]
+    return f"{statistics.median(xa) / statistics.median(xb):.2f}" if xa and xb else "-"
+
+
+def med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}" if xs else "-"
+
+
+def ideal(d: dict[str, Any], runs: dict, limit: int, rep: int) -> float | None:
+    """T_ideal = sum over steps of g1/BW_pc + g2/BW_dev, with the same round's fio read and page-cache probe."""
+    r = runs.get(("dualblade", limit, rep))
+    if r is None:
+        return None
+    rnd = next((x for x in d["rounds"] if x["rep"] == rep and x["key"][0] == "limit" and x["key"][1] == limit), None)
+    if rnd is None or "fio" not in rnd:
+        return None
+    bw_dev = rnd["fio"]["read_GBps"] * 1e9
+    bw_pc = rnd["pagecache"]["GBps"] * 1e9
+    t = 0.0
+    for step in r["bytes"]["decode_read_per_step"].values():
+        t += step["g1"] / bw_pc + step["g2"] / bw_dev
+    return t
+
+
+def table(d: dict[str, Any]) -> dict[str, str]:
+    runs = sweep_runs(d)
+    limits = sorted({lim for (_, lim, _) in runs})
+    row: dict[str, str] = {}
+    row["prefill DB/Baseline"] = " / ".join(
+        f"{lim / GiB:.1f}: {ratio_of_medians(runs, 'dualblade', 'baseline', lim, 'prefill_s')}" for lim in limits)
+    row["decode DB/Baseline"] = " / ".join(
+        f"{lim / GiB:.1f}: {ratio_of_medians(runs, 'dualblade', 'baseline', lim, 'decode_s')}" for lim in limits)
+    top = limits[-1]
+    row[f"decode DB/best single path at {top / GiB:.1f}"] = str(max(
+        float(ratio_of_medians(runs, "dualblade", c, top, "decode_s")) for c in ("cachepolicy", "direct")))
+    parts = []
+    for lim in limits:
+        def t_ideal(rep: int, lim: int = lim) -> float | None:
+            return ideal(d, runs, lim, rep)
+        parts.append(f"{lim / GiB:.1f}: {med(paired(runs, 'dualblade', t_ideal, lim, 'decode_s'))}")
+    row["decode DB/T_ideal"] = " / ".join(parts)
+    bare = d.get("reference", {}).get("bare_uring_write", {}).get("avg_ms")
+    for path in ("direct",):
+        for cond in ("alone", "contended"):
+            vals = []
+            for (cfg, _lim, _rep), r in runs.items():
+                if cfg in ("direct", "dualblade"):
+                    lat = r["latency"].get(f"decode_write_{cond}[{path}]")
+                    if lat and lat.get("n") and lat.get("avg_ms"):
+                        vals.append(lat["avg_ms"])
+            row[f"one-token append, {path} path, {cond}: avg ms (x bare io_uring write)"] = (
+                f"{statistics.median(vals):.3f} ({statistics.median(vals) / bare:.1f}x of {bare:.3f})"
+                if vals and bare else "-")
+    return row
+
+
+if __name__ == "__main__":
+    old, new = load(sys.argv[1]), load(sys.argv[2])
+    a, b = table(old), table(new)
+    print(f"| measure | before ({sys.argv[1].split('/')[-1]}) | after ({sys.argv[2].split('/')[-1]}) |")
+    print("| --- | --- | --- |")
+    for k in a:
+        print(f"| {k} | {a[k]} | {b.get(k, '-')} |")
