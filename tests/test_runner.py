@@ -25,9 +25,9 @@ from runner_util import (
     runner_model,
 )
 
+from bladed.kvstore import BladedKV, Geometry
 from bladed.runner.cli import main, spawned_daemon
 from bladed.runner.engine import GenerationResult
-from bladed.runner.kvstore import BladedKV, Geometry
 from bladed.runner.models import DecoderModel, ModelConfig
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,0 +1,362 @@
+"""Where an offloaded KV cache lives: the ``KVBackend`` protocol, shared by the
+runner (``bladed.runner``) and the transformers cache (``bladed.hf``).
+
+A backend exposes per-channel staging slots (one per copy thread) whose layout
+mirrors one KPU of shape ``(max_tokens, batch * kv_heads, head_dim)``
+row-major, and moves token ranges of a layer's K or V between a slot and the
+store. Two implementations:
+
+* ``MemoryKV``: the store is process memory (the reference).
+* ``BladedKV``: a ``bladed.client`` session; the slots are the daemon-shared
+  staging memory, and the daemon places each KPU on the page-cache or the
+  NVMe-direct path.
+
+``SlotTensors`` gives torch views over a backend's slots, so copy threads move
+K/V between torch tensors and a slot with one ``copy_``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from bladed.residency.geometry import Geometry
+
+Kind = Literal["k", "v"]
+
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of a KV dtype (ValueError naming the supported ones for any other)."""
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        known = ", ".join(str(d).removeprefix("torch.") for d in _DTYPE_BYTES)
+        raise ValueError(f"KV dtype {dtype} is not supported; use one of {known}") from None
+
+
+@dataclass
+class KVOp:
+    """What one read or write did (the client's ``OpResult`` has the same fields)."""
+
+    path: str
+    nbytes: int
+    service_ns: int
+    hit_ratio: float | None = None
+
+
+@runtime_checkable
+class KVBackend(Protocol):
+    geometry: Geometry
+
+    @property
+    def channels(self) -> int: ...
+
+    def slot(self, ch: int) -> memoryview: ...
+
+    def group(self, layer: int, kind: Kind) -> int: ...
+
+    def write(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
+              ntokens: int | None = None) -> Any: ...
+
+    def read(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
+             ntokens: int | None = None) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class PathStats:
+    """Per-path counters aggregated from the ops' results."""
+
+    read_ops: int = 0
+    read_bytes: int = 0
+    read_ns: int = 0
+    write_ops: int = 0
+    write_bytes: int = 0
+    write_ns: int = 0
+    hit_bytes: float = 0.0
+    hit_known_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "read_ops": self.read_ops, "read_bytes": self.read_bytes,
+            "read_GBps": _gbps(self.read_bytes, self.read_ns),
+            "write_ops": self.write_ops, "write_bytes": self.write_bytes,
+            "write_GBps": _gbps(self.write_bytes, self.write_ns),
+        }
+        if self.hit_known_bytes:
+            d["hit_ratio"] = round(self.hit_bytes / self.hit_known_bytes, 4)
+        return d
+
+
+def _gbps(nbytes: int, ns: int) -> float | None:
+    return round(nbytes / ns, 3) if ns > 0 else None
+
+
+@dataclass
+class StatsBook:
+    """Thread-safe per-path aggregation of op results."""
+
+    paths: dict[str, PathStats] = field(default_factory=lambda: defaultdict(PathStats))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, op: Any, is_read: bool) -> None:
+        path = str(getattr(op, "path", "?"))
+        nbytes = int(getattr(op, "nbytes", 0))
+        ns = int(getattr(op, "service_ns", 0) or 0)
+        hr = getattr(op, "hit_ratio", None)
+        with self._lock:
+            s = self.paths[path]
+            if is_read:
+                s.read_ops += 1
+                s.read_bytes += nbytes
+                s.read_ns += ns
+                if hr is not None:
+                    s.hit_bytes += float(hr) * nbytes
+                    s.hit_known_bytes += nbytes
+            else:
+                s.write_ops += 1
+                s.write_bytes += nbytes
+                s.write_ns += ns
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {p: s.as_dict() for p, s in sorted(self.paths.items())}
+
+
+class MemoryKV:
+    """The reference backend: every KPU is a buffer in this process."""
+
+    def __init__(self, geometry: Geometry, channels: int = 2, groups: dict[int, int] | None = None) -> None:
+        self.geometry = geometry
+        self._channels = channels
+        self._slots = [bytearray(geometry.kpu_bytes) for _ in range(channels)]
+        self._store: dict[tuple[int, str], bytearray] = {}
+        self._groups = groups or {}
+
+    @property
+    def channels(self) -> int:
+        return self._channels
+
+    def slot(self, ch: int) -> memoryview:
+        return memoryview(self._slots[ch])
+
+    def group(self, layer: int, kind: Kind) -> int:
+        return self._groups.get(layer, 1)
+
+    def _span(self, token_start: int, ntokens: int | None) -> tuple[int, int]:
+        g = self.geometry
+        n = g.max_tokens - token_start if ntokens is None else ntokens
+        if token_start < 0 or n < 0 or token_start + n > g.max_tokens:
+            raise ValueError(f"tokens [{token_start}, {token_start + n}) outside [0, {g.max_tokens})")
+        return token_start * g.token_bytes, n * g.token_bytes
+
+    def _kpu(self, layer: int, kind: Kind) -> bytearray:
+        if not 0 <= layer < self.geometry.layers or kind not in ("k", "v"):
+            raise ValueError(f"no KPU ({layer}, {kind!r})")
+        key = (layer, kind)
+        buf = self._store.get(key)
+        if buf is None:
+            buf = self._store[key] = bytearray(self.geometry.kpu_bytes)
+        return buf
+
+    def write(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
+              ntokens: int | None = None) -> KVOp:
+        off, n = self._span(token_start, ntokens)
+        t0 = time.perf_counter_ns()
+        self._kpu(layer, kind)[off:off + n] = self._slots[ch][off:off + n]
+        return KVOp("memory", n, time.perf_counter_ns() - t0, None)
+
+    def read(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
+             ntokens: int | None = None) -> KVOp:
+        off, n = self._span(token_start, ntokens)
+        t0 = time.perf_counter_ns()
+        memoryview(self._slots[ch])[off:off + n] = memoryview(self._kpu(layer, kind))[off:off + n]
+        return KVOp("memory", n, time.perf_counter_ns() - t0, 1.0)
+
+    def close(self) -> None:
+        self._store.clear()
+
+
+#: token rows a channel's slot keeps aside for deferred writes (``BladedKV(defer_writes=True)``)
+DEFER_ROWS = 4
+
+
+class BladedKV:
+    """A ``bladed.client`` session as a KV backend.
+
+    ``session`` is an open ``Session``; ``geometry`` must be the one it was
+    opened with. Use :meth:`open` to open the session from a client.
+
+    With ``defer_writes`` a small write (a decode step's append) is not sent
+    at once: its rows are copied to a spare area at the end of the channel's
+    slot (``DEFER_ROWS`` rows; the KPU-shaped part of the slot is free for the
+    next copy at once) and the channel's next read carries the write in the
+    same batched request: one request per channel and layer instead of two.
+    A read of a KPU with a write pending sends that write first; a full spare
+    area, a large write, :meth:`flush` and :meth:`close` send what is pending.
+    For callers that do not wait for their writes anyway (the runner with
+    ``overlap``): a failed deferred write raises at the request that carried
+    it.
+    """
+
+    def __init__(self, session: Any, geometry: Geometry, owns_client: Any = None, *,
+                 defer_writes: bool = False) -> None:
+        self.session = session
+        self.geometry = geometry
+        self._client = owns_client
+        self._groups: dict[tuple[int, str], int] = {}
+        self._paths: dict[tuple[int, str], str] = {}
+        plan = getattr(session, "plan", None) or {}
+        for kpu in plan.get("kpus", []) if isinstance(plan, dict) else []:
+            try:
+                key = (int(kpu["layer"]), str(kpu["kind"]))
+                self._groups[key] = int(kpu["group"])
+                self._paths[key] = str(kpu["path"])
+            except (KeyError, TypeError, ValueError):
+                continue
+        self._nslots = int(getattr(session, "channels", 0) or 0)
+        tb = geometry.token_bytes
+        spare = int(getattr(session, "slot_bytes", 0) or 0) - geometry.kpu_bytes
+        self.defer_writes = defer_writes and spare >= tb
+        self._spare_rows = spare // tb if self.defer_writes else 0
+        self._deferred: list[list[Any]] = [[] for _ in range(self._nslots)]
+        self._spare_used = [0] * self._nslots
+
+    @classmethod
+    def open(cls, geometry: Geometry, mode: str = "dualblade", channels: int = 2,
+             socket_path: str | None = None, client: Any = None, *, defer_writes: bool = False) -> BladedKV:
+        from bladed import client as bclient  # floor 2: only the client library
+
+        own = None
+        if client is None:
+            client = own = bclient.Client(socket_path=socket_path)
+        slot = geometry.kpu_bytes + (DEFER_ROWS * geometry.token_bytes if defer_writes else 0)
+        sess = client.open_session(geometry, mode=mode, channels=channels, slot_bytes=slot)
+        return cls(sess, geometry, owns_client=own, defer_writes=defer_writes)
+
+    prepinned = True  # the client registers the staging mapping with CUDA itself
+
+    @property
+    def channels(self) -> int:
+        return self._nslots
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        return dict(getattr(self.session, "plan", None) or {})
+
+    def slot(self, ch: int) -> memoryview:
+        return self.session.slot(ch)  # type: ignore[no-any-return,unused-ignore]
+
+    def group(self, layer: int, kind: Kind) -> int:
+        return self._groups.get((layer, kind), 2)
+
+    def write(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
+              ntokens: int | None = None) -> Any:
+        n = self.geometry.max_tokens - token_start if ntokens is None else ntokens
+        if not self.defer_writes or n > self._spare_rows:
+            self.flush(ch)
+            return self.session.write(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        if self._spare_used[ch] + n > self._spare_rows:
+            self.flush(ch)
+        tb, kpu = self.geometry.token_bytes, self.geometry.kpu_bytes
+        at = kpu + self._spare_used[ch] * tb
+        slot = self.session.slot(ch)
+        slot[at:at + n * tb] = slot[token_start * tb:(token_start + n) * tb]
+        self._spare_used[ch] += n
+        self._deferred[ch].append(self.session.range("write", layer, kind, token_start, n, slot_offset=at))
+        # what the write will do; its outcome arrives with the channel's next request
+        return KVOp(self._paths.get((layer, kind), "?"), n * tb, 0, None)
+
+    def read(self, layer: int, kind: Kind, ch: int, token_start: int = 0,
+             ntokens: int | None = None) -> Any:
+        pending = self._deferred[ch] if self.defer_writes else None
+        if not pending:
+            return self.session.read(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        rng = self.session.range("read", layer, kind, token_start, ntokens)
+        if any(w.tensor_id == rng.tensor_id for w in pending):
+            self.flush(ch)                       # a request names each KPU once: the write goes first
+            return self.session.read(layer, kind, ch, token_start=token_start, ntokens=ntokens)
+        self._deferred[ch], self._spare_used[ch] = [], 0
+        return self.session.submit(ch, [*pending, rng])[-1]
+
+    def flush(self, ch: int | None = None) -> None:
+        """Send the deferred writes of channel ``ch`` (default: every channel)."""
+        for c in range(self._nslots) if ch is None else (ch,):
+            pending, self._deferred[c], self._spare_used[c] = self._deferred[c], [], 0
+            if pending:
+                self.session.submit(c, pending)
+
+    def close(self) -> None:
+        try:
+            try:
+                self.flush()
+            finally:
+                self.session.close()
+        finally:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class SlotTensors:
+    """Torch views over a backend's staging slots, KPU-shaped: ``[max_tokens, batch, kv_heads, head_dim]``.
+
+    On CUDA the slot pages are registered (pinned) so H2D/D2H copies are real DMA.
+    """
+
+    def __init__(self, backend: KVBackend, dtype: torch.dtype, pin: bool = False) -> None:
+        g = backend.geometry
+        self.geometry = g
+        self.views: list[torch.Tensor] = []
+        self._registered: list[int] = []
+        for ch in range(backend.channels):
+            mv = backend.slot(ch)
+            raw = torch.frombuffer(mv, dtype=torch.uint8)[: g.kpu_bytes]
+            t = raw.view(dtype).view(g.max_tokens, g.batch, g.kv_heads, g.head_dim)
+            if pin and torch.cuda.is_available():
+                rc = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
+                if int(rc) == 0:
+                    self._registered.append(raw.data_ptr())
+            self.views.append(t)
+
+    def put(self, ch: int, token_start: int, kv: torch.Tensor) -> None:
+        """Copy ``kv`` (``[batch, kv_heads, n, head_dim]``) into the slot at ``token_start``."""
+        n = kv.shape[2]
+        self.views[ch][token_start:token_start + n].copy_(kv.permute(2, 0, 1, 3))
+
+    def take(self, ch: int, ntokens: int, device: torch.device | str = "cpu",
+             non_blocking: bool = False) -> torch.Tensor:
+        """A device copy of the slot's first ``ntokens`` tokens, heads-first ``[batch, kv_heads, n, d]``."""
+        src = self.views[ch][:ntokens]
+        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+        dst.copy_(src, non_blocking=non_blocking)
+        return dst.permute(1, 2, 0, 3)
+
+    def close(self) -> None:
+        if self._registered and torch.cuda.is_available():
+            for ptr in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        self.views.clear()
+
+
+__all__ = [
+    "BladedKV",
+    "Geometry",
+    "KVBackend",
+    "KVOp",
+    "Kind",
+    "MemoryKV",
+    "PathStats",
+    "SlotTensors",
+    "StatsBook",
+    "dtype_bytes",
+]
