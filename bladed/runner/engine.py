@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from bladed.kvstore import Geometry, Kind, KVBackend, SlotTensors, StatsBook, dtype_bytes
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
-from bladed.runner.kvstore import Geometry, Kind, KVBackend, SlotTensors, StatsBook, dtype_bytes
 from bladed.runner.models import DecoderModel
 
 KVFactory = Callable[[Geometry], KVBackend]
