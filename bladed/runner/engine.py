@@ -214,7 +214,11 @@ class _Generation:
         self.offloaded_order = [(layer, b) for layer in offloaded_layers for b in range(policy.num_gpu_batches)]
         self.channel: dict[Kind, int] = {"k": 0, "v": 1 % policy.copy_threads}  # copy thread = staging slot
         self.copy_threads = CopyThreadPool(policy.copy_threads)
-        self.pipeline = AdaptivePipeline(self.copy_threads, policy.pipeline)
+        try:
+            self.pipeline = AdaptivePipeline(self.copy_threads, policy.pipeline)
+        except BaseException:
+            self.copy_threads.close()           # a refused pipeline mode leaves no threads behind
+            raise
         self.dma = TorchDma(self.device)
         self.stats = StatsBook()
         self.backends: list[KVBackend] = []
@@ -244,9 +248,11 @@ class _Generation:
                             head_dim=cfg.head_dim, dtype_bytes=dtype_bytes(dtype), max_tokens=self.max_tokens)
         for _ in range(policy.num_gpu_batches):
             backend = self.runner.kv_factory(geometry)
-            if backend.channels < min(2, policy.copy_threads):
-                raise ValueError(f"backend has {backend.channels} staging slots, need {policy.copy_threads}")
-            self.backends.append(backend)
+            self.backends.append(backend)        # closed by close() even if it is refused below
+            need = min(2, policy.copy_threads)   # K goes through slot 0, V through slot 1
+            if backend.channels < need:
+                raise ValueError(f"the KV backend has {backend.channels} staging slots, need {need}; open it with "
+                                 f"channels >= {need}")
             self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False)))
 
     def set_prompt(self, input_ids: torch.Tensor) -> None:
