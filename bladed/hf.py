@@ -14,7 +14,7 @@ prefetch), through the staging slots shared with the daemon.
 
 The cache talks to anything with the KV-backend shape (``geometry``,
 ``channels``, ``slot(ch)``, ``read``/``write(layer, kind, ch, token_start,
-ntokens)``, ``group(layer, kind)``; see ``bladed.runner.kvstore``) or opens a
+ntokens)``, ``group(layer, kind)``; see ``bladed.kvstore``) or opens a
 ``bladed.client`` session itself. One small shim covers the transformers
 4.57+ and 5.x layer/cache APIs (``lazy_initialization`` arity, the
 ``get_mask_sizes`` argument, the ``Cache`` constructor).
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from bladed.kvstore import BladedKV, dtype_bytes
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.residency.geometry import Geometry
-from bladed.runner.kvstore import BladedKV, dtype_bytes
 
 
 def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype) -> Geometry:

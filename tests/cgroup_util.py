@@ -52,7 +52,7 @@ class ChildCgroup:
         """``base``: a v2 cgroup directory with no process of its own (a delegated subtree) to create it in."""
         if os.geteuid() != 0:
             raise PermissionError(errno.EPERM, "child memory cgroups need root (run the suite as root, as CI does)")
-        from bladed.residency.budget import locate_memory_cgroup
+        from bladed.residency.cgroups import locate_memory_cgroup
 
         self.version: str
         self.path: str

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bladed.runner.kvstore import Geometry, Kind, KVOp, MemoryKV
+from bladed.kvstore import Geometry, Kind, KVOp, MemoryKV
 from bladed.runner.models import DecoderModel, ModelConfig, hf_config, tiny_config
 
 CONFIGS: dict[str, ModelConfig] = {

@@ -19,7 +19,8 @@ from bladectl_util import failure, one_line, one_object
 from click.testing import CliRunner, Result
 from daemon_util import ROOT, DaemonProcess, documented_exit_statuses, env_with_repo, short_tmpdir
 
-from bladed.cli.bladectl import EXIT_STATUSES, cli
+from bladed.cli.bladectl import cli
+from bladed.cli.common import EXIT_STATUSES
 from bladed.client import Client
 
 GEOMETRY = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
@@ -347,7 +348,7 @@ def test_ns_setup_prints_the_shipped_device_dropin_for_its_device() -> None:
     systemd's own escaping of the device unit's name."""
     import shutil
 
-    from bladed.cli.bladectl import device_dropin, systemd_escape_path
+    from bladed.cli.ns import device_dropin, systemd_escape_path
 
     for path in ("/dev/bladed/kv", "/dev/ng0n1", "/dev/disk/by-id/nvme-QEMU_NVMe_Ctrl_nvmevm0-1"):
         want = subprocess.run(["systemd-escape", "--path", path], capture_output=True, text=True, check=True)

@@ -19,13 +19,8 @@ from cgroup_util import ChildCgroup, Worker, read_stat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bladed.residency.budget import (
-    Budgeter,
-    cgroup_from_path,
-    locate_memory_cgroup,
-    parse_mountinfo,
-    parse_proc_cgroup,
-)
+from bladed.residency.budget import Budgeter
+from bladed.residency.cgroups import cgroup_from_path, locate_memory_cgroup, parse_mountinfo, parse_proc_cgroup
 
 MiB = 1 << 20
 GiB = 1 << 30

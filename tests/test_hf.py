@@ -14,8 +14,8 @@ from runner_util import CONFIGS, hf_greedy, hf_model, prompt
 from transformers import DynamicCache
 
 from bladed.hf import BladedCache, geometry_for
+from bladed.kvstore import Kind, KVOp, MemoryKV
 from bladed.runner.cli import spawned_daemon
-from bladed.runner.kvstore import Kind, KVOp, MemoryKV
 
 
 class CountingKV(MemoryKV):

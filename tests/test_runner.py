@@ -8,6 +8,7 @@ different implementation of the same maths: the same greedy tokens, logits withi
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +26,9 @@ from runner_util import (
     runner_model,
 )
 
+from bladed.kvstore import BladedKV, Geometry, MemoryKV
 from bladed.runner.cli import main, spawned_daemon
 from bladed.runner.engine import GenerationResult
-from bladed.runner.kvstore import BladedKV, Geometry
 from bladed.runner.models import DecoderModel, ModelConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -153,3 +154,32 @@ def test_runner_refuses_more_positions_than_the_model_has() -> None:
         run(model, ids, 5, factory=factory)
     assert opened == []
     assert run(model, ids, 3).gen_len == 3  # exactly max_positions positions is fine
+
+
+def test_a_refused_request_leaves_no_threads_and_no_open_kv_session() -> None:
+    """A backend with too few staging slots is closed when refused; a bad pipeline mode leaves no copy threads."""
+    cfg = CONFIGS["opt"]
+    model = runner_model(hf_model(cfg, torch.float32))
+    ids = prompt(cfg, 1, 4)
+    before = threading.active_count()
+    opened: list[MemoryKV] = []
+
+    def one_slot(g: Geometry) -> MemoryKV:
+        kv = ClosingMemoryKV(g, channels=1)
+        opened.append(kv)
+        return kv
+
+    with pytest.raises(ValueError, match=r"the KV backend has 1 staging slots, need 2; open it with channels >= 2"):
+        run(model, ids, 2, factory=one_slot, copy_threads=2)
+    assert [kv.closed for kv in opened] == [True]
+    with pytest.raises(ValueError):
+        run(model, ids, 2, pipeline="sideways")
+    assert threading.active_count() == before
+
+
+class ClosingMemoryKV(MemoryKV):
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from bladed.kvstore import BladedKV, Geometry
 from bladed.runner.cli import spawned_daemon
 from bladed.runner.engine import Policy, Runner
-from bladed.runner.kvstore import BladedKV, Geometry
 from bladed.runner.weights import load_model, smollm2_dir
 
 

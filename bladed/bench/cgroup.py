@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from bladed.residency.budget import locate_memory_cgroup
+from bladed.residency.cgroups import locate_memory_cgroup
 
 V1_UNLIMITED = 9223372036854771712
 

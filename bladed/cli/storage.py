@@ -1,5 +1,5 @@
-"""The storage side of ``bladectl ns check`` / ``ns setup``: which backend a path is, whether
-something else already uses it, and the non-destructive checks.
+"""The storage side of ``bladectl ns check`` / ``ns setup``: which backend a path is, and whether
+something else already uses it (the checks that follow are in :mod:`bladed.cli.checks`).
 
 "In use" means, in this order: a live bladed serves it (the daemon keeps its store open and holds
 the flock on ``bladed.lock`` in its state directory, :mod:`bladed.server.state`), a filesystem on it
@@ -14,16 +14,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import platform
 import re
-import resource
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladed.config import Config, format_size, region_of
-from bladed.config import validate_device as config_device_problems
 from bladed.server.state import LOCK
 
 KINDS = {"file": "plain file", "block": "block device", "nvme": "character device (NVMe namespace)"}
@@ -280,149 +275,8 @@ def in_use(path: str, kind: str) -> str | None:
     return None
 
 
-# -- the checks ------------------------------------------------------------------------------------
-@dataclass
-class Check:
-    name: str
-    status: str  # ok | warn | fail
-    detail: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"check": self.name, "status": self.status, "detail": self.detail}
-
-
-def _kernel() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", platform.release())
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-def run_checks(path: str, backend: str, *, size_bytes: int = 0, region_start: int = 0,
-               region_blocks: int = 0) -> list[Check]:
-    """Can bladed use ``path`` as ``backend``?  Non-destructive: opens it and reads one block.
-
-    Call :func:`target_backend` and :func:`in_use` first: this assumes ``path`` is a free store
-    of ``backend`` (or a store file to create).
-    """
-    from bladed.io import Engine, StagingBuffer, open_device
-
-    out: list[Check] = []
-    kernel = _kernel()
-    need = {"nvme": (5, 19), "block": (5, 1), "file": (5, 1)}[backend]
-    out.append(Check("kernel", "ok" if kernel >= need else "fail",
-                     f"{platform.release()}; the {backend} backend needs {need[0]}.{need[1]}+"
-                     + (" (io_uring_cmd passthrough)" if backend == "nvme" else " (io_uring)")))
-    if backend == "nvme":
-        out.append(Check("fixed buffers for passthrough", "ok" if kernel >= (6, 1) else "warn",
-                         "registered staging buffers with io_uring_cmd need 6.1+"))
-    if backend == "block":
-        out.append(Check("discard command", "ok" if kernel >= (6, 12) else "warn",
-                         "io_uring block discard needs 6.12+; older kernels use ioctl(BLKDISCARD)"))
-    try:
-        disabled = int(_read("/proc/sys/kernel/io_uring_disabled").strip() or 0)
-    except ValueError:
-        disabled = 0
-    out.append(Check("io_uring enabled", {0: "ok", 1: "warn"}.get(disabled, "fail"),
-                     f"kernel.io_uring_disabled = {disabled}"
-                     + (" (only root or io_uring_group may use it)" if disabled == 1 else "")))
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    root = os.geteuid() == 0
-    out.append(Check("memlock", "ok" if root or soft == resource.RLIM_INFINITY or soft >= 64 << 20 else "warn",
-                     f"RLIMIT_MEMLOCK {'unlimited' if soft == resource.RLIM_INFINITY else format_size(soft)}"
-                     + ("; running as root (CAP_IPC_LOCK)" if root else
-                        "; fixed-buffer registration may fail (LimitMEMLOCK=infinity in the unit)")))
-    try:
-        from bladed.io.pagecache import cachestat
-        probe = os.open("/proc/self/exe", os.O_RDONLY)
-        try:
-            has_cachestat = cachestat(probe, 0, 4096) is not None
-        finally:
-            os.close(probe)
-    except OSError:
-        has_cachestat = False
-    out.append(Check("cachestat", "ok" if has_cachestat else "warn",
-                     "page-cache hit ratios via cachestat(2)" if has_cachestat else
-                     "cachestat(2) missing (kernel < 6.5): hit ratios fall back to mincore(2)"))
-
-    if backend == "file" and not os.path.exists(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        ok = os.path.isdir(parent) and os.access(parent, os.W_OK)
-        out.append(Check("exists", "ok" if ok else "fail",
-                         f"{path} will be created ({format_size(size_bytes)})" if ok
-                         else f"{path} does not exist and {parent} is not a writable directory"))
-        if not ok:
-            return out
-        fd, probe_path = tempfile.mkstemp(dir=parent, prefix=".bladed-probe-")
-        os.close(fd)
-        try:
-            pfd = os.open(probe_path, os.O_RDWR | os.O_DIRECT)
-            os.close(pfd)
-            out.append(Check("O_DIRECT", "ok", f"the filesystem of {parent} supports O_DIRECT"))
-        except OSError as e:
-            out.append(Check("O_DIRECT", "fail", f"the filesystem of {parent} refuses O_DIRECT ({e.strerror})"))
-        finally:
-            os.unlink(probe_path)
-        return out
-    out.append(Check("exists", "ok", f"{path} ({backend})"))
-    if not os.access(path, os.R_OK | os.W_OK):
-        out.append(Check("permissions", "fail", f"no read-write access to {path} for uid {os.geteuid()}"))
-        return out
-    opts: dict[str, Any] = {"create": False} if backend == "file" else {}
-    try:
-        dev = open_device(backend, path, **opts)
-    except OSError as e:
-        why = f"cannot open {path} read-write: {e.strerror or e}"
-        if e.errno == errno.EBUSY:
-            why = f"{path} is in use (mounted, or claimed by another process)"
-        elif e.errno in (errno.EPERM, errno.EACCES):
-            why = (f"no permission to open {path} read-write ({e.strerror}); run as root, or let this user in "
-                   "(udev rule, device cgroup / DeviceAllow=)")
-        out.append(Check("open read-write", "fail", why))
-        return out
-    except ValueError as e:
-        out.append(Check("open read-write", "fail", str(e)))
-        return out
-    with dev:
-        out.append(Check("permissions", "ok", f"opened {path} read-write"
-                         + (" exclusively" if backend == "block" else "")))
-        lba = dev.lba_size
-        out.append(Check("LBA size", "ok" if lba == 4096 else "warn",
-                         f"{lba} bytes" + ("" if lba == 4096 else
-                                           "; 4 KiB is what the paper's alignment precondition assumes "
-                                           "(bladectl ns setup --format-lba 4096 for NVMe)")))
-        cfg = Config()
-        cfg.device.region_start_lba, cfg.device.region_blocks = region_start, region_blocks
-        problems = config_device_problems(cfg, lba_size=lba, capacity_blocks=dev.capacity_blocks, path=path)
-        start, blocks = region_of(cfg, dev.capacity_blocks)
-        out.append(Check("region", "fail" if problems or blocks <= 0 else "ok",
-                         "; ".join(problems) or f"LBA {start} + {blocks} blocks = {format_size(blocks * lba)} of "
-                                                f"{format_size(dev.capacity_bytes)}"))
-        if backend == "block":
-            align = _partition_offset(dev.fd)
-            out.append(Check("alignment", "ok" if align % (1 << 20) == 0 else "warn",
-                             f"starts at byte {align} of its disk"
-                             + ("" if align % (1 << 20) == 0 else ": not 1 MiB aligned")))
-            discard = getattr(dev, "discard_max_bytes", 0)
-            out.append(Check("discard", "ok" if discard else "warn",
-                             f"discard_max_bytes {discard}" + ("" if discard else ": TRIM on teardown is a no-op")))
-        if backend == "nvme":
-            ident = dev.identity  # type: ignore[attr-defined]
-            out.append(Check("MDTS", "ok", f"MDTS {ident.mdts} ({format_size(ident.mdts_bytes) if ident.mdts else 'no'}"
-                                           f" limit); per command {format_size(dev.max_transfer_bytes)}"))
-            out.append(Check("deallocate", "ok" if ident.deallocate_reads_zeroes else "warn",
-                             f"DLFEAT {ident.dlfeat & 7}: deallocated blocks read "
-                             + ("zeroes" if ident.deallocate_reads_zeroes else "undefined or ones")))
-        try:
-            buf = StagingBuffer(max(lba, 4096))
-            with Engine(dev, 2, [buf]) as eng:
-                x = eng.read(start, buf, nbytes=lba)
-            buf.close()
-            out.append(Check("read", "ok", f"read LBA {start} through io_uring in {x.service_ns / 1e3:.0f} us"))
-        except OSError as e:
-            out.append(Check("read", "fail", f"reading LBA {start} failed: {e}"))
-    return out
-
-
-def _partition_offset(fd: int) -> int:
+def partition_offset(fd: int) -> int:
+    """Where the partition open on ``fd`` starts in its disk, in bytes (0: a whole disk)."""
     base = _sys_block(os.fstat(fd).st_rdev)
     try:
         return int(_read(os.path.join(base, "start")).strip()) * 512 if base else 0

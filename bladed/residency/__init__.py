@@ -7,7 +7,8 @@ sessions' sockets or devices.
 
 from __future__ import annotations
 
-from bladed.residency.budget import BudgetBreakdown, Budgeter, CgroupInfo, locate_memory_cgroup
+from bladed.residency.budget import BudgetBreakdown, Budgeter
+from bladed.residency.cgroups import CgroupInfo, locate_memory_cgroup
 from bladed.residency.extents import (
     Extent,
     ExtentAllocator,

@@ -11,9 +11,10 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "GenerationResult": "engine", "Policy": "engine", "Runner": "engine",
-    "BladedKV": "kvstore", "Geometry": "kvstore", "KVBackend": "kvstore", "MemoryKV": "kvstore",
-    "DecoderModel": "models", "ModelConfig": "models",
+    "GenerationResult": "bladed.runner.engine", "Policy": "bladed.runner.engine", "Runner": "bladed.runner.engine",
+    "BladedKV": "bladed.kvstore", "Geometry": "bladed.kvstore", "KVBackend": "bladed.kvstore",
+    "MemoryKV": "bladed.kvstore",
+    "DecoderModel": "bladed.runner.models", "ModelConfig": "bladed.runner.models",
 }
 
 
@@ -21,7 +22,7 @@ def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'bladed.runner' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"bladed.runner.{home}"), name)
+    return getattr(importlib.import_module(home), name)
 
 
 __all__ = sorted(_HOMES)

@@ -1,15 +1,18 @@
 """The FlexLLMGen-style generation loop over the zig-zag (token, layer, GPU batch) schedule.
 
-For every generated token ``i`` the loop walks the layers ``j`` and, inside a
-layer, the GPU batches ``k``. A layer's KV cache lives on one of three tiers
-chosen by the policy's cache percentages: the compute device ("gpu"), host
-memory ("cpu"), or offloaded to a ``KVBackend`` ("disk": bladed). Offloaded
-KV moves through the copy threads: prefill writes every offloaded layer's K
-and V (tokens ``[0, prompt_len)``); each decode step reads tokens
-``[0, pos)`` and appends the new token's K/V at ``pos`` (Algorithm 2
-offsets: ``token_start * token_bytes``). With ``overlap`` the load of the next
-offloaded (layer, batch) is issued before the current one computes
-(layer-ahead prefetch) and writes are not waited for.
+:meth:`Runner.generate` has the shape of FlexLLMGen's ``generation_loop_normal``: for every
+generation step it walks the layers and, inside a layer, the GPU batches, and calls named steps
+of :class:`_Generation` (the state of one ``generate`` call) in FlexLLMGen's order:
+``load_weight``, ``load_cache``, ``load_hidden``, ``compute_layer``, ``store_hidden``,
+``store_cache``; a step ends with ``sample_tokens`` (the LM head's greedy tokens) and ``sync``.
+
+A layer's KV cache lives on one of three tiers chosen by the policy's cache percentages: the
+compute device ("gpu"), host memory ("cpu"), or offloaded to a ``KVBackend`` ("disk": bladed).
+Offloaded KV moves through the copy threads: prefill writes every offloaded layer's K and V
+(tokens ``[0, prompt_len)``); each decode step reads tokens ``[0, pos)`` and appends the new
+token's K/V at ``pos`` (Algorithm 2 offsets: ``token_start * token_bytes``). With ``overlap``
+the load of the next offloaded (layer, batch) is issued before the current one computes
+(``prefetch_cache``, layer-ahead prefetch) and writes are not waited for.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
+from bladed.kvstore import Geometry, Kind, KVBackend, SlotTensors, StatsBook, dtype_bytes
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
-from bladed.runner.kvstore import Geometry, KVBackend, SlotTensors, StatsBook, dtype_bytes
 from bladed.runner.models import DecoderModel
 
 KVFactory = Callable[[Geometry], KVBackend]
+KVPair = tuple[torch.Tensor, torch.Tensor]  # (keys, values), heads-first: [batch, kv_heads, tokens, head_dim]
 
 
 @dataclass
@@ -116,24 +121,20 @@ class Runner:
         self.tiers = self.policy.cache_tiers(cfg.num_layers)
         if "disk" in self.tiers and kv_factory is None:
             raise ValueError("the policy offloads KV but no KV backend factory was given")
-        wt = self.policy.weight_tiers(cfg.num_layers)
-        self._lw_dev: dict[int, dict[str, torch.Tensor]] = {}
-        self._lw_host: dict[int, dict[str, torch.Tensor]] = {}
-        for j in range(cfg.num_layers):
-            lw = model.layer_weights(j)
-            if wt[j] == "gpu" or self.device.type == "cpu":
-                self._lw_dev[j] = {k: v.to(self.device) for k, v in lw.items()}
+        weight_tiers = self.policy.weight_tiers(cfg.num_layers)
+        # a layer's weights stay on the compute device, or in (pinned) host memory and are copied per use
+        self._device_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._host_weights: dict[int, dict[str, torch.Tensor]] = {}
+        for layer in range(cfg.num_layers):
+            weights = model.layer_weights(layer)
+            if weight_tiers[layer] == "gpu" or self.device.type == "cpu":
+                self._device_weights[layer] = {name: w.to(self.device) for name, w in weights.items()}
             else:
-                self._lw_host[j] = {k: v.pin_memory() if torch.cuda.is_available() else v for k, v in lw.items()}
+                self._host_weights[layer] = {name: w.pin_memory() if torch.cuda.is_available() else w
+                                             for name, w in weights.items()}
         if self.device.type != "cpu":
             self.model = model.to(self.device)
-        self.act_offload = self.device.type == "cuda" and self.policy.act_gpu_percent < 100
-
-    def _weights(self, j: int) -> dict[str, torch.Tensor]:
-        lw = self._lw_dev.get(j)
-        if lw is not None:
-            return lw
-        return {k: v.to(self.device, non_blocking=True) for k, v in self._lw_host[j].items()}
+        self.offload_activations = self.device.type == "cuda" and self.policy.act_gpu_percent < 100
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, gen_len: int, eos_token_id: int | None = None,
@@ -142,158 +143,306 @@ class Runner:
 
         ``on_step(tokens_done, step_seconds)`` is called after each step (the first is the prefill).
         """
-        pol, m, cfg = self.policy, self.model, self.model.cfg
-        nb, gbs = pol.num_gpu_batches, pol.gpu_batch_size
-        if input_ids.shape[0] != nb * gbs:
+        prompt_len = self._check_request(input_ids, gen_len)
+        gen = _Generation(self, prompt_len, gen_len)
+        try:
+            gen.open_kv_backends()
+            gen.set_prompt(input_ids)
+            for step in range(gen_len):
+                gen.begin_step(step)
+                for layer in range(self.model.cfg.num_layers):
+                    for gpu_batch in range(self.policy.num_gpu_batches):
+                        weights = gen.load_weight(layer)
+                        past = gen.load_cache(layer, gpu_batch)
+                        if self.policy.overlap:
+                            gen.prefetch_cache(layer, gpu_batch)
+                        hidden = gen.load_hidden(gpu_batch)
+                        hidden, new_kv, full_kv = gen.compute_layer(weights, hidden, past)
+                        gen.store_hidden(gpu_batch, hidden)
+                        gen.store_cache(layer, gpu_batch, new_kv, full_kv)
+                tokens = gen.sample_tokens()
+                step_seconds = gen.sync()
+                if on_step is not None:
+                    on_step(step + 1, step_seconds)
+                if gen.all_finished(tokens, eos_token_id):
+                    break
+            gen.wait_for_writes()
+            return gen.result()
+        finally:
+            gen.close()
+
+    def _check_request(self, input_ids: torch.Tensor, gen_len: int) -> int:
+        """The prompt length, once the batch matches the policy and prompt plus ``gen_len`` fits the model."""
+        cfg = self.model.cfg
+        batches, batch_size = self.policy.num_gpu_batches, self.policy.gpu_batch_size
+        if input_ids.shape[0] != batches * batch_size:
             raise ValueError(f"a batch of {input_ids.shape[0]} prompts does not match gpu_batch_size * "
-                             f"num_gpu_batches = {gbs} * {nb}; pass {nb * gbs} prompts or change the policy")
+                             f"num_gpu_batches = {batch_size} * {batches}; pass {batches * batch_size} prompts "
+                             f"or change the policy")
         if gen_len < 1:
             raise ValueError(f"gen_len {gen_len} must be at least 1")
         prompt_len = int(input_ids.shape[1])
-        max_tokens = prompt_len + gen_len
-        positions = max_tokens - 1  # the last generated token is never fed back
+        positions = prompt_len + gen_len - 1  # the last generated token is never fed back
         if positions > cfg.max_positions:
             raise ValueError(f"a {prompt_len}-token prompt plus gen_len {gen_len} needs {positions} positions, "
                              f"more than {cfg.name}'s {cfg.max_positions}; shorten the prompt or gen_len")
-        dev, dtype = self.device, m.dtype
-        cuda = dev.type == "cuda"
-        disk_layers = [j for j, t in enumerate(self.tiers) if t == "disk"]
-        bidx = {j: i for i, j in enumerate(disk_layers)}
+        return prompt_len
 
-        backends: list[KVBackend] = []
-        slots: list[SlotTensors] = []
-        pool = CopyThreadPool(pol.copy_threads)
-        pipe = AdaptivePipeline(pool, pol.pipeline)
-        dma = TorchDma(dev)
-        book = StatsBook()
-        writes: list[Future[Any]] = []
-        mem: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        load_wait = 0.0
+
+class _Generation:
+    """One :meth:`Runner.generate` call: its state and the named steps its loop calls.
+
+    Holds the copy threads, the adaptive pipeline, one KV backend per GPU batch (with torch views
+    over its staging slots), the KV of the layers kept on the device or in host memory, and the
+    current step's hidden states. Copy thread 0 carries K and thread 1 V (the one thread with
+    ``copy_threads=1``): each owns the staging slot of its index in every backend.
+    """
+
+    def __init__(self, runner: Runner, prompt_len: int, gen_len: int) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.policy = policy = runner.policy
+        self.device = runner.device
+        self.cuda = self.device.type == "cuda"
+        self.tiers = runner.tiers
+        self.prompt_len = prompt_len
+        self.max_tokens = prompt_len + gen_len
+        offloaded_layers = [layer for layer, tier in enumerate(self.tiers) if tier == "disk"]
+        #: a model layer's index among the backends' layers (the offloaded layers only)
+        self.backend_layer = {layer: index for index, layer in enumerate(offloaded_layers)}
+        #: the offloaded (layer, GPU batch) pairs in schedule order: what prefetch_cache looks ahead in
+        self.offloaded_order = [(layer, b) for layer in offloaded_layers for b in range(policy.num_gpu_batches)]
+        self.channel: dict[Kind, int] = {"k": 0, "v": 1 % policy.copy_threads}  # copy thread = staging slot
+        self.copy_threads = CopyThreadPool(policy.copy_threads)
         try:
-            if disk_layers:
-                assert self.kv_factory is not None
-                geo = Geometry(layers=len(disk_layers), batch=gbs, kv_heads=cfg.num_kv_heads,
-                                 head_dim=cfg.head_dim, dtype_bytes=dtype_bytes(dtype), max_tokens=max_tokens)
-                for _ in range(nb):
-                    be = self.kv_factory(geo)
-                    if be.channels < min(2, pol.copy_threads):
-                        raise ValueError(f"backend has {be.channels} staging slots, need {pol.copy_threads}")
-                    backends.append(be)
-                    slots.append(SlotTensors(be, dtype, pin=cuda and not getattr(be, "prepinned", False)))
-            nthreads = pol.copy_threads
-            ch_of = {"k": 0, "v": 1 % nthreads}
+            self.pipeline = AdaptivePipeline(self.copy_threads, policy.pipeline)
+        except BaseException:
+            self.copy_threads.close()           # a refused pipeline mode leaves no threads behind
+            raise
+        self.dma = TorchDma(self.device)
+        self.stats = StatsBook()
+        self.backends: list[KVBackend] = []
+        self.slots: list[SlotTensors] = []
+        self.writes: list[Future[Any]] = []
+        self.resident_kv: dict[tuple[int, int], KVPair] = {}  # (layer, GPU batch) -> KV on the device or host
+        self.load_wait_s = 0.0
+        self.step = 0
+        self.position = 0                 # the position of the step's first input token
+        self.inputs: list[torch.Tensor] = []   # per GPU batch: the token ids the step feeds in
+        self.hidden: list[torch.Tensor] = []   # per GPU batch: the hidden states between layers
+        self.prefetched: dict[tuple[int, int], LoadHandle] = {}  # at most one load issued ahead
+        self.step_started = 0.0
+        self.step_latencies: list[float] = []
+        self.out_tokens: list[torch.Tensor] = []
+        self.out_logits: list[torch.Tensor] = []
+        self.finished = torch.zeros(policy.num_gpu_batches * policy.gpu_batch_size, dtype=torch.bool)
 
-            def submit_load(j: int, k: int, ntok: int) -> LoadHandle:
-                be, st, lj = backends[k], slots[k], bidx[j]
-                jobs = []
-                for kind in ("k", "v"):
-                    ch = ch_of[kind]
+    # -- set-up and tear-down --------------------------------------------
+    def open_kv_backends(self) -> None:
+        """Open one KV backend per GPU batch (when any layer is offloaded) and map its staging slots."""
+        if not self.offloaded_order:
+            return
+        policy, cfg, dtype = self.policy, self.model.cfg, self.model.dtype
+        assert self.runner.kv_factory is not None
+        geometry = Geometry(layers=len(self.backend_layer), batch=policy.gpu_batch_size, kv_heads=cfg.num_kv_heads,
+                            head_dim=cfg.head_dim, dtype_bytes=dtype_bytes(dtype), max_tokens=self.max_tokens)
+        for _ in range(policy.num_gpu_batches):
+            backend = self.runner.kv_factory(geometry)
+            self.backends.append(backend)        # closed by close() even if it is refused below
+            need = min(2, policy.copy_threads)   # K goes through slot 0, V through slot 1
+            if backend.channels < need:
+                raise ValueError(f"the KV backend has {backend.channels} staging slots, need {need}; open it with "
+                                 f"channels >= {need}")
+            self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False)))
 
-                    def rd(kind: str = kind, ch: int = ch) -> Any:
-                        op = be.read(lj, kind, ch, 0, ntok)  # type: ignore[arg-type]
-                        book.add(op, True)
-                        return op
+    def set_prompt(self, input_ids: torch.Tensor) -> None:
+        """Split the prompts into the GPU batches, on the compute device: the prefill's inputs."""
+        size = self.policy.gpu_batch_size
+        self.inputs = [input_ids[b * size:(b + 1) * size].to(self.device) for b in range(self.policy.num_gpu_batches)]
 
-                    def dm(ch: int = ch) -> torch.Tensor:
-                        return dma.run(lambda: st.take(ch, ntok, dev, non_blocking=cuda))
+    def close(self) -> None:
+        """Stop the copy threads (after their queued jobs), unmap the staging slots, close the backends."""
+        self.copy_threads.close()
+        for slots in self.slots:
+            slots.close()
+        for backend in self.backends:
+            backend.close()
 
-                    jobs.append(LoadJob(read=rd, dma=dm, nbytes=ntok * be.geometry.token_bytes))
-                return pipe.load(jobs, be.group(lj, "k"))
+    # -- one generation step ---------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Start step ``step`` (0 = prefill): its clock, the pipeline's iteration, the embedded inputs."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.step_started = time.perf_counter()
+        self.pipeline.begin_iteration(step)
+        self.step = step
+        self.position = 0 if step == 0 else self.prompt_len + step - 1
+        self.hidden = [self.model.embed(ids, self.position) for ids in self.inputs]
+        self.prefetched = {}
 
-            def submit_write(j: int, k: int, kind: str, t0: int, x: torch.Tensor) -> None:
-                be, st, lj, ch = backends[k], slots[k], bidx[j], ch_of[kind]
+    def load_weight(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's weights on the compute device (copied from host memory when kept there)."""
+        weights = self.runner._device_weights.get(layer)
+        if weights is not None:
+            return weights
+        return {name: w.to(self.device, non_blocking=True) for name, w in self.runner._host_weights[layer].items()}
 
-                def job() -> Any:
-                    dma.run(lambda: st.put(ch, t0, x))
-                    op = be.write(lj, kind, ch, t0, x.shape[2])  # type: ignore[arg-type]
-                    book.add(op, False)
-                    return op
+    def load_cache(self, layer: int, gpu_batch: int) -> KVPair | None:
+        """The KV of tokens ``[0, position)`` of (layer, GPU batch) on the compute device; None at prefill.
 
-                fut = pool.submit(ch, job)
-                if not pol.overlap:
-                    fut.result()
-                writes.append(fut)
+        Offloaded: the load prefetched for it, or one issued now, waited for (the wait counts in
+        ``load_wait_s``). Kept on the device or in host memory: those tensors, moved to the device.
+        """
+        if self.step == 0:
+            return None
+        if self.tiers[layer] != "disk":
+            keys, values = self.resident_kv[(layer, gpu_batch)]
+            return keys.to(self.device, non_blocking=True), values.to(self.device, non_blocking=True)
+        handle = self.prefetched.pop((layer, gpu_batch), None) or self._submit_load(layer, gpu_batch)
+        wait_started = time.perf_counter()
+        keys, values = handle.result()
+        self.load_wait_s += time.perf_counter() - wait_started
+        return keys, values
 
-            order = [(j, k) for j in range(cfg.num_layers) for k in range(nb)]
-            disk_order = [idx for idx, (j, _) in enumerate(order) if self.tiers[j] == "disk"]
-            hidden: list[torch.Tensor] = []
-            cur = [input_ids[k * gbs:(k + 1) * gbs].to(dev) for k in range(nb)]
-            out_tokens: list[torch.Tensor] = []
-            out_logits: list[torch.Tensor] = []
-            steps: list[float] = []
-            finished = torch.zeros(nb * gbs, dtype=torch.bool)
-            for i in range(gen_len):
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                t_step = time.perf_counter()
-                pipe.begin_iteration(i)
-                pos = 0 if i == 0 else prompt_len + i - 1
-                hidden = [m.embed(cur[k], pos) for k in range(nb)]
-                pending: dict[tuple[int, int], LoadHandle] = {}
-                for idx, (j, k) in enumerate(order):
-                    lw = self._weights(j)
-                    past: tuple[torch.Tensor, torch.Tensor] | None = None
-                    if i > 0:
-                        if self.tiers[j] == "disk":
-                            hd = pending.pop((j, k), None) or submit_load(j, k, pos)
-                            tw = time.perf_counter()
-                            kk, vv = hd.result()
-                            load_wait += time.perf_counter() - tw
-                            past = (kk, vv)
-                        else:
-                            pk, pv = mem[(j, k)]
-                            past = (pk.to(dev, non_blocking=True), pv.to(dev, non_blocking=True))
-                    if pol.overlap and i > 0:
-                        nxt = next((d for d in disk_order if d > idx and order[d] not in pending), None)
-                        if nxt is not None and not pending:
-                            pending[order[nxt]] = submit_load(*order[nxt], pos)
-                    h = hidden[k].to(dev, non_blocking=True) if self.act_offload else hidden[k]
-                    h, q, kn, vn = m.qkv(lw, h, pos)
-                    keys = kn if past is None else torch.cat([past[0], kn], dim=-2)
-                    vals = vn if past is None else torch.cat([past[1], vn], dim=-2)
-                    h = m.attend_mlp(lw, h, q, keys, vals)
-                    hidden[k] = h.to("cpu", non_blocking=True) if self.act_offload else h
-                    tier = self.tiers[j]
-                    if tier == "disk":
-                        submit_write(j, k, "k", pos, kn)
-                        submit_write(j, k, "v", pos, vn)
-                    else:
-                        host = tier == "cpu" and cuda
-                        mem[(j, k)] = (keys.to("cpu") if host else keys, vals.to("cpu") if host else vals)
-                step_logits = [m.head(hidden[k].to(dev)).float() for k in range(nb)]
-                logits = torch.cat(step_logits, dim=0)
-                tok = logits.argmax(dim=-1)
-                cur = [tok[k * gbs:(k + 1) * gbs, None] for k in range(nb)]
-                out_tokens.append(tok.cpu())
-                out_logits.append(logits.cpu())
-                pipe.end_iteration()
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                steps.append(time.perf_counter() - t_step)
-                if on_step is not None:
-                    on_step(i + 1, steps[-1])
-                if eos_token_id is not None:
-                    finished = finished | (tok.cpu() == eos_token_id)
-                    if bool(finished.all()):
-                        break
-            t_drain = time.perf_counter()
-            pool.drain()
-            for f in writes:
-                f.result()
-            steps[-1] += time.perf_counter() - t_drain
-            plans = [dict(getattr(be, "plan", {}) or {}) for be in backends]
-            return GenerationResult(
-                tokens=torch.stack(out_tokens, dim=1), logits=out_logits, prefill_latency=steps[0],
-                decode_latency=sum(steps[1:]), step_latencies=steps, prompt_len=prompt_len, batch=nb * gbs,
-                stats=book.as_dict(), pipeline=pipe.report(), tiers=list(self.tiers), plans=plans,
-                load_wait_s=load_wait,
-            )
-        finally:
-            pool.close()
-            for st in slots:
-                st.close()
-            for be in backends:
-                be.close()
+    def prefetch_cache(self, layer: int, gpu_batch: int) -> None:
+        """With ``overlap``: issue the load of the next offloaded (layer, GPU batch) after this one.
+
+        Called once this one's KV is loaded and before it computes; one load ahead at most (none
+        while a prefetched load is still to be used), none at prefill (there is no KV to read).
+        """
+        if self.step == 0 or self.prefetched:
+            return
+        upcoming = next((pair for pair in self.offloaded_order if pair > (layer, gpu_batch)), None)
+        if upcoming is not None:
+            self.prefetched[upcoming] = self._submit_load(*upcoming)
+
+    def load_hidden(self, gpu_batch: int) -> torch.Tensor:
+        """The GPU batch's hidden states on the compute device (copied back when activations are offloaded)."""
+        hidden = self.hidden[gpu_batch]
+        return hidden.to(self.device, non_blocking=True) if self.runner.offload_activations else hidden
+
+    def compute_layer(self, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                      past: KVPair | None) -> tuple[torch.Tensor, KVPair, KVPair]:
+        """One decoder layer over the step's tokens: (hidden out, the step's new KV, past + new KV)."""
+        hidden, query, new_keys, new_values = self.model.qkv(weights, hidden, self.position)
+        keys = new_keys if past is None else torch.cat([past[0], new_keys], dim=-2)
+        values = new_values if past is None else torch.cat([past[1], new_values], dim=-2)
+        hidden = self.model.attend_mlp(weights, hidden, query, keys, values)
+        return hidden, (new_keys, new_values), (keys, values)
+
+    def store_hidden(self, gpu_batch: int, hidden: torch.Tensor) -> None:
+        """Keep the layer's output for the next layer (in host memory when activations are offloaded)."""
+        self.hidden[gpu_batch] = hidden.to("cpu", non_blocking=True) if self.runner.offload_activations else hidden
+
+    def store_cache(self, layer: int, gpu_batch: int, new_kv: KVPair, full_kv: KVPair) -> None:
+        """Keep (layer, GPU batch)'s KV on its tier.
+
+        Offloaded: write the step's new tokens (prefill ``[0, prompt_len)``, decode the one at
+        ``position``) to the backend, K then V, through the copy threads; waited for at once
+        unless ``overlap``. On the device or in host memory: keep the whole KV (host: copied to
+        host memory on CUDA).
+        """
+        tier = self.tiers[layer]
+        if tier == "disk":
+            self._submit_write(layer, gpu_batch, "k", new_kv[0])
+            self._submit_write(layer, gpu_batch, "v", new_kv[1])
+        else:
+            to_host = tier == "cpu" and self.cuda
+            keys, values = full_kv
+            self.resident_kv[(layer, gpu_batch)] = (keys.to("cpu") if to_host else keys,
+                                                    values.to("cpu") if to_host else values)
+
+    def sample_tokens(self) -> torch.Tensor:
+        """The LM head's greedy tokens (host copy): recorded with their float32 logits, fed to the next step."""
+        logits = torch.cat([self.model.head(hidden.to(self.device)).float() for hidden in self.hidden], dim=0)
+        tokens = logits.argmax(dim=-1)
+        size = self.policy.gpu_batch_size
+        self.inputs = [tokens[b * size:(b + 1) * size, None] for b in range(self.policy.num_gpu_batches)]
+        host_tokens = tokens.cpu()
+        self.out_tokens.append(host_tokens)
+        self.out_logits.append(logits.cpu())
+        return host_tokens
+
+    def sync(self) -> float:
+        """End the step: wait for its loads (the pipeline's measurement) and the device; the step's seconds."""
+        self.pipeline.end_iteration()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.step_latencies.append(time.perf_counter() - self.step_started)
+        return self.step_latencies[-1]
+
+    def all_finished(self, tokens: torch.Tensor, eos_token_id: int | None) -> bool:
+        """Whether every sequence has now produced ``eos_token_id`` (never without one)."""
+        if eos_token_id is None:
+            return False
+        self.finished = self.finished | (tokens == eos_token_id)
+        return bool(self.finished.all())
+
+    # -- the end of the run ----------------------------------------------
+    def wait_for_writes(self) -> None:
+        """Wait for every queued copy-thread job and write (a failed write raises); counted in the last step."""
+        wait_started = time.perf_counter()
+        self.copy_threads.drain()
+        for write in self.writes:
+            write.result()
+        self.step_latencies[-1] += time.perf_counter() - wait_started
+
+    def result(self) -> GenerationResult:
+        """The generated tokens and logits, the step latencies, and the KV path's stats, pipeline and plans."""
+        steps = self.step_latencies
+        policy = self.policy
+        return GenerationResult(
+            tokens=torch.stack(self.out_tokens, dim=1), logits=self.out_logits, prefill_latency=steps[0],
+            decode_latency=sum(steps[1:]), step_latencies=steps, prompt_len=self.prompt_len,
+            batch=policy.num_gpu_batches * policy.gpu_batch_size, stats=self.stats.as_dict(),
+            pipeline=self.pipeline.report(), tiers=list(self.tiers),
+            plans=[dict(getattr(backend, "plan", {}) or {}) for backend in self.backends],
+            load_wait_s=self.load_wait_s,
+        )
+
+    # -- the copy threads' jobs ------------------------------------------
+    def _submit_load(self, layer: int, gpu_batch: int) -> LoadHandle:
+        """Issue the load of tokens ``[0, position)`` of (layer, GPU batch)'s K and V.
+
+        Per kind, on its copy thread: a read from the backend into the thread's staging slot, then
+        a DMA from the slot to the device; scheduled by the pipeline's strategy for K's group.
+        """
+        backend, slots, backend_layer = self.backends[gpu_batch], self.slots[gpu_batch], self.backend_layer[layer]
+        ntokens = self.position
+        kinds: tuple[Kind, Kind] = ("k", "v")
+        jobs = [LoadJob(read=partial(self._read_kv, backend, backend_layer, kind, ntokens),
+                        dma=partial(self._copy_to_device, slots, self.channel[kind], ntokens),
+                        nbytes=ntokens * backend.geometry.token_bytes) for kind in kinds]
+        return self.pipeline.load(jobs, backend.group(backend_layer, "k"))
+
+    def _read_kv(self, backend: KVBackend, backend_layer: int, kind: Kind, ntokens: int) -> Any:
+        """Copy thread: read tokens ``[0, ntokens)`` of a K or V into the thread's staging slot."""
+        op = backend.read(backend_layer, kind, self.channel[kind], 0, ntokens)
+        self.stats.add(op, True)
+        return op
+
+    def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int) -> torch.Tensor:
+        """Copy thread: DMA the staging slot's first ``ntokens`` tokens to the device, heads-first."""
+        return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda))
+
+    def _submit_write(self, layer: int, gpu_batch: int, kind: Kind, new: torch.Tensor) -> None:
+        """Queue the write of ``new`` (this step's tokens of a K or V, at ``position``) on its copy thread."""
+        channel = self.channel[kind]
+        job = partial(self._write_kv, self.backends[gpu_batch], self.slots[gpu_batch], self.backend_layer[layer],
+                      kind, self.position, new)
+        write = self.copy_threads.submit(channel, job)
+        if not self.policy.overlap:
+            write.result()
+        self.writes.append(write)
+
+    def _write_kv(self, backend: KVBackend, slots: SlotTensors, backend_layer: int, kind: Kind, token_start: int,
+                  new: torch.Tensor) -> Any:
+        """Copy thread: copy ``new`` into the staging slot at ``token_start``, then write those tokens."""
+        channel = self.channel[kind]
+        self.dma.run(lambda: slots.put(channel, token_start, new))
+        op = backend.write(backend_layer, kind, channel, token_start, new.shape[2])
+        self.stats.add(op, False)
+        return op
 
 
 __all__ = ["GenerationResult", "KVFactory", "Policy", "Runner"]

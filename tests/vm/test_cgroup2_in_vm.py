@@ -26,7 +26,8 @@ from systemdvm import disk, run, systemd_problem
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cgroup_util import ChildCgroup, Worker, read_stat
 
-from bladed.residency.budget import Budgeter, locate_memory_cgroup
+from bladed.residency.budget import Budgeter
+from bladed.residency.cgroups import locate_memory_cgroup
 
 pytestmark = pytest.mark.systemd_vm
 

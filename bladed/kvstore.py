@@ -1,4 +1,5 @@
-"""Where the runner's offloaded KV cache lives: the ``KVBackend`` protocol.
+"""Where an offloaded KV cache lives: the ``KVBackend`` protocol, shared by the
+runner (``bladed.runner``) and the transformers cache (``bladed.hf``).
 
 A backend exposes per-channel staging slots (one per copy thread) whose layout
 mirrors one KPU of shape ``(max_tokens, batch * kv_heads, head_dim)``

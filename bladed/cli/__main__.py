@@ -1,0 +1,5 @@
+"""``python -m bladed.cli``: ``bladectl``."""
+
+from bladed.cli.bladectl import main
+
+main()

@@ -1,0 +1,240 @@
+"""The ``bladectl`` commands that talk to a running bladed: ``status``, ``sessions``, ``stats``,
+``budget``, ``trim``.
+
+They go through the same socket and protocol as the client library, found by
+:func:`bladed.config.find_socket`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from bladed.cli.common import (
+    EXIT_FAILED,
+    EXIT_NO_DAEMON,
+    EXIT_USAGE,
+    Command,
+    Failure,
+    emit,
+    global_options,
+    kv,
+    settings,
+    size,
+)
+from bladed.config import ConfigError, SocketLocation, find_socket
+from bladed.protocol import BladedError, DaemonLostError
+
+
+# -- the connection -------------------------------------------------------------------------
+def where() -> SocketLocation:
+    """The socket, by the one rule (:func:`bladed.config.find_socket`)."""
+    s = settings()
+    try:
+        return find_socket(s.socket, config=s.config, given_as="--socket")
+    except ConfigError as e:
+        problems = "; ".join(e.problems)
+        if s.config:
+            raise Failure(f"-c {s.config}: {problems}; give -c the config file bladed runs with", "config",
+                          EXIT_USAGE) from None
+        raise Failure(f"{e.source}: {problems}; fix it (bladed --config {e.source} --check-config), or give "
+                      "--socket or BLADED_SOCKET", "config", EXIT_USAGE) from None
+
+
+def _connect(wait_s: float = 0.0) -> Any:
+    """A client of the bladed found by the socket rule, trying for up to ``wait_s`` seconds.
+
+    The rule is applied again at every try: ``./var/bladed/bladed.sock`` counts only once it exists."""
+    from bladed.client import Client
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Client(where(), name="bladectl")
+        except DaemonLostError as e:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)     # a daemon just started: its socket appears when it is ready to serve
+                continue
+            waited = f" (waited {wait_s:g} s)" if wait_s else ""
+            raise Failure(f"{e}{waited}", "no_daemon", EXIT_NO_DAEMON) from None
+        except BladedError as e:
+            raise Failure(str(e), e.code.value, EXIT_NO_DAEMON) from None
+
+
+@contextlib.contextmanager
+def connected(wait_s: float = 0.0) -> Iterator[Any]:
+    """A client of the bladed found by the socket rule; BladedErrors become Failures."""
+    client = _connect(wait_s)
+    with client:
+        try:
+            yield client
+        except DaemonLostError as e:
+            raise Failure(str(e), "daemon_lost", EXIT_NO_DAEMON) from None
+        except BladedError as e:
+            raise Failure(str(e), e.code.value, EXIT_FAILED) from None
+
+
+def call(what: Callable[[Any], Any], wait_s: float = 0.0) -> Any:
+    with connected(wait_s) as c:
+        return what(c)
+
+
+# -- the commands ---------------------------------------------------------------------------
+@click.command(cls=Command)
+@global_options
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0, metavar="SECONDS", show_default=True,
+              help="Wait up to SECONDS for bladed to answer (a daemon just started in the background).")
+def status(wait_s: float) -> None:
+    """Daemon version, device, region, sessions and extents."""
+    data = call(lambda c: c.status(), wait_s)
+
+    def human(d: dict[str, Any]) -> None:
+        dev, reg, ext = d["device"], d["region"], d["extents"]
+        kv([
+            ("bladed", f"{d['version']} (protocol {d['protocol']}), pid {d['pid']}, up {d['uptime_s']:.0f} s"),
+            ("config", d["config"]),
+            ("socket", d["socket"]),
+            ("device", f"{dev['kind']} {dev['path']} ({dev['lba_size']}-byte LBAs, {size(dev['capacity_bytes'])})"),
+            ("region", f"LBA {reg['start_lba']} + {reg['blocks']} blocks ({size(reg['bytes'])})"),
+            ("extents", f"{ext['used_blocks']} blocks used, {ext['free_blocks']} free"),
+            ("page cache", d["pagecache_dir"]),
+            ("sessions", f"{d['sessions']} open, {d['connections']} connections"),
+            ("budget", f"B_pc {size(d['budget'].get('b_pc'))} ({d['budget'].get('cgroup_version')} "
+                       f"{d['budget'].get('cgroup') or 'host'})"),
+            ("metrics", d["metrics"] or "off"),
+        ])
+
+    emit(data, human)
+
+
+@click.command(cls=Command)
+@global_options
+def sessions() -> None:
+    """Open sessions (yours only unless you are an admin)."""
+    data = call(lambda c: c.sessions())
+
+    def human(rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            click.echo("no open sessions")
+            return
+        click.echo(f"{'SESSION':<10} {'UID':>6} {'PID':>8} {'MODE':<11} {'CH':>2} {'LAYERS':>6} {'N1':>4} "
+                   f"{'PAGECACHE':>10} {'DIRECT':>10} {'EXTENT':<16} {'OPS':>8}")
+        for s in rows:
+            ext = f"{s['extent']['start']}+{s['extent']['nblocks']}" if s["extent"] else "-"
+            click.echo(f"{s['session']:<10} {s['uid']:>6} {s['pid']:>8} {s['mode']:<11} {s['channels']:>2} "
+                       f"{s['geometry']['layers']:>6} {s['n1']:>4} {size(s['pagecache_bytes']):>10} "
+                       f"{size(s['direct_bytes']):>10} {ext:<16} {s['ops']:>8}")
+
+    emit(data, human)
+
+
+def _stats_table(cur: dict[str, Any], prev: dict[str, Any] | None) -> None:
+    dt = cur["time"] - prev["time"] if prev else 0.0
+    click.echo(f"{'PATH':<10} {'OP':<6} {'OPS':>9} {'BYTES':>11} {'AVG LAT':>10} {'ERR':>5}"
+               + (f" {'MB/s':>9} {'ops/s':>8}" if prev else ""))
+    for path, ops in cur["io"].items():
+        for op, d in ops.items():
+            line = (f"{path:<10} {op:<6} {d['ops']:>9} {size(d['bytes']):>11} "
+                    f"{d['latency_avg_s'] * 1e3:>8.2f}ms {d['errors']:>5}")
+            if prev and dt > 0:
+                p = prev["io"][path][op]
+                line += f" {(d['bytes'] - p['bytes']) / dt / 1e6:>9.1f} {(d['ops'] - p['ops']) / dt:>8.1f}"
+            click.echo(line)
+    pc = cur["pagecache"]
+    ratio = "n/a" if pc["hit_ratio"] is None else f"{pc['hit_ratio']:.3f}"
+    kv([("page-cache hit ratio", f"{ratio} over {size(pc['read_bytes'])} read"),
+        ("sessions", f"{cur['sessions']} open ({cur['sessions_opened']} opened, {cur['sessions_closed']} closed, "
+                     f"{cur['sessions_reclaimed']} reclaimed after a crash)"),
+        ("extents", f"{cur['extents']['used_blocks']} blocks used, {cur['extents']['free_blocks']} free"),
+        ("trimmed", size(cur["trimmed_bytes"])),
+        ("B_pc", f"{size(cur['budget'].get('b_pc'))} (held by sessions: {size(cur['budget'].get('held'))})")])
+
+
+@click.command(cls=Command)
+@global_options
+@click.option("--watch", "-w", is_flag=True, help="Refresh until interrupted (with --json: one object per line).")
+@click.option("--interval", "-n", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Seconds between refreshes.")
+@click.option("--count", type=click.IntRange(min=0), default=0, help="Stop after this many refreshes (0: never).")
+def stats(watch: bool, interval: float, count: int) -> None:
+    """Bytes, ops and latency per path, the page-cache hit ratio, TRIMmed bytes."""
+    if not watch:
+        emit(call(lambda c: c.stats()), lambda d: _stats_table(d, None))
+        return
+    prev: dict[str, Any] | None = None
+    n = 0
+    as_json = settings().json
+    with connected() as c:
+        try:
+            while True:
+                cur = c.stats()
+                if as_json:
+                    click.echo(json.dumps(cur))
+                else:
+                    if sys.stdout.isatty():
+                        click.clear()
+                    click.echo(time.strftime("%H:%M:%S"))
+                    _stats_table(cur, prev)
+                    click.echo()
+                prev = cur
+                n += 1
+                if count and n >= count:
+                    return
+                time.sleep(interval)  # the refresh period of a live view, not a synchronisation
+        except KeyboardInterrupt:
+            return  # the way to leave --watch
+
+
+@click.command(cls=Command)
+@global_options
+def budget() -> None:
+    """Every term of the page-cache budget (Eq. 1-2) and what each session was granted."""
+    data = call(lambda c: c.budget())
+
+    def human(d: dict[str, Any]) -> None:
+        s = d["sample"]
+        kv([
+            ("M_avail", f"{size(s.get('m_avail'))}  (host MemAvailable)"),
+            ("M_max", f"{size(s.get('m_max'))}  ({s.get('m_max_source')})"),
+            ("M_anon+shmem", f"{size(s.get('m_anon_shmem'))}  (anon {size(s.get('m_anon'))}, "
+                             f"shmem {size(s.get('m_shmem'))})"),
+            ("M*", f"{size(s.get('m_star'))}  = min(M_avail, M_max - M_anon+shmem)  [Eq. 1, {s.get('binding')} binds]"),
+            ("N_threads x M_pin", f"{s.get('n_threads')} x {size(s.get('m_pin'))}  (staging of open sessions)"),
+            ("B_pc", f"{size(s.get('b_pc'))}  = max(0, M* - N_threads x M_pin)  [Eq. 2]"
+                     + (f", override {size(d['override_bytes'])}" if d["override_bytes"] is not None else "")
+                     + (f", cap {size(d['cap_bytes'])}" if d["cap_bytes"] is not None else "")),
+            ("held by sessions", size(d["held_bytes"])),
+            ("available", size(d["available_bytes"])),
+            ("cgroup", f"{s.get('cgroup_version')} {s.get('cgroup') or 'host'}"),
+            ("page cache now", size(s.get("m_file"))),
+        ])
+        for x in d["sessions"]:
+            click.echo(f"session {x['session']}: {x['channels']} x M_pin {size(x['m_pin'])}, B_pc granted "
+                       f"{size(x['b_pc'])}, X {size(x['x_bytes'])}, n1 {x['n1']} layers, "
+                       f"Group 1 {size(x['group1_bytes'])}")
+
+    emit(data, human)
+
+
+@click.command(cls=Command)
+@global_options
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+def trim(yes: bool) -> None:
+    """Deallocate (TRIM) the whole region; refused while any session is open."""
+    with connected() as c:
+        if not yes:
+            click.confirm(f"TRIM the whole KV region of the bladed at {c.socket_path} (no session data survives)?",
+                          abort=True, err=True)
+        data = c.trim()
+    emit(data, lambda d: click.echo(
+        f"trimmed {size(d['trimmed_bytes'])} (LBA {d['start_lba']} + {d['blocks']}) in {d['seconds'] * 1e3:.1f} ms"))
+
+
+#: the commands, for the root group
+COMMANDS = (status, sessions, stats, budget, trim)
