@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import itertools
 import logging
 import mmap
@@ -66,13 +65,12 @@ from bladed.protocol import (
     hello_request,
     send_frame,
 )
-from bladed.residency.geometry import GEOMETRY_FIELDS, PAGE_SIZE, Geometry, align_up, tensor_id, tensor_of
+from bladed.residency.geometry import GEOMETRY_FIELDS, dtype_bytes, tensor_id, tensor_of
+from bladed.sizes import align_up
 
 log = logging.getLogger(__name__)
 
 MODES = ("baseline", "cachepolicy", "direct", "dualblade")
-DTYPE_BYTES = {"float8": 1, "fp8": 1, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
-               "float32": 4, "fp32": 4, "float": 4, "float64": 8, "fp64": 8}
 
 __all__ = [
     "BadRequestError",
@@ -127,11 +125,11 @@ def geometry_dict(geometry: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     for name in GEOMETRY_FIELDS:
         value = get(name)
-        if value is None and name == "dtype_bytes":
-            dtype = get("dtype")
-            value = DTYPE_BYTES.get(str(dtype).rsplit(".", 1)[-1].lower()) if dtype is not None else None
-            if dtype is not None and value is None:
-                raise ValueError(f"unknown dtype {dtype!r}: give dtype_bytes")
+        if value is None and name == "dtype_bytes" and get("dtype") is not None:
+            try:
+                value = dtype_bytes(get("dtype"))
+            except ValueError as e:
+                raise ValueError(f"{e}, or give dtype_bytes") from None
         if value is None:
             raise ValueError(f"geometry lacks {name!r}")
         out[name] = int(value)
@@ -271,41 +269,32 @@ class Client:
         Each channel gets a staging slot of ``slot_bytes`` (default: one KPU,
         which the default range layout mirrors; more lets one request carry
         ranges of several KPUs at their own slot offsets); ``staging_bytes``
-        defaults to one slot per channel.  ``pin`` (None = when torch with CUDA
-        is already imported) registers the staging mapping with
-        ``cudaHostRegister``.  ``checksums`` (None = the daemon's
-        ``io.checksums``): the daemon keeps a crc32c of every token row written
-        and fails a read whose data differs with IntegrityError.
+        defaults to one slot per channel.  The daemon lays the slots out and
+        sizes the staging memory; the session takes that layout from its reply.
+        ``pin`` (None = when torch with CUDA is already imported) registers the
+        staging mapping with ``cudaHostRegister``.  ``checksums`` (None = the
+        daemon's ``io.checksums``): the daemon keeps a crc32c of every token row
+        written and fails a read whose data differs with IntegrityError.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if channels < 1:
             raise ValueError(f"channels must be >= 1, got {channels}")
-        geo = geometry_dict(geometry)
-        kpu_bytes = Geometry(**geo).kpu_bytes
-        slot = kpu_bytes if slot_bytes is None else slot_bytes
-        if slot < kpu_bytes:
-            raise ValueError(f"slot_bytes {slot} is less than one KPU ({kpu_bytes} bytes)")
-        align = int(self.server.get("staging_align", PAGE_SIZE))
-        need = align_up(slot, align) * channels
-        if staging_bytes is None:
-            staging_bytes = need
-        if staging_bytes < need:
-            raise ValueError(f"staging_bytes {staging_bytes} is less than {channels} slots of {slot} bytes "
-                             f"({need} bytes)")
-        staging_bytes = align_up(staging_bytes, align)
+        extra: dict[str, Any] = {} if slot_bytes is None else {"slot_bytes": slot_bytes}
+        if staging_bytes is not None:
+            extra["staging_bytes"] = align_up(staging_bytes, int(self.server["staging_align"]))
+        if checksums is not None:
+            extra["checksums"] = bool(checksums)
+        # an empty memfd: the daemon sizes it to the layout and seals it, so that neither side can shrink the
+        # memory under the other's DMA (docs/protocol.md, open_session)
         fd = os.memfd_create("bladed-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, staging_bytes)
-            # sealed so that neither side can shrink the memory under the other's DMA
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            mapping = mmap.mmap(fd, staging_bytes)
+            reply = self.call("open_session", (fd,), geometry=geometry_dict(geometry), mode=mode, channels=channels,
+                              **extra)
             try:
-                extra = {} if checksums is None else {"checksums": bool(checksums)}
-                reply = self.call("open_session", (fd,), geometry=geo, mode=mode, channels=channels,
-                                  staging_bytes=staging_bytes, slot_bytes=slot, **extra)
+                mapping = mmap.mmap(fd, int(reply["layout"]["staging_bytes"]))
             except BaseException:
-                mapping.close()
+                self.call_async("close_session", session=reply["session"])
                 raise
         finally:
             os.close(fd)
@@ -374,6 +363,7 @@ class Session:
         self.max_tokens: int = int(layout["max_tokens"])
         self.slot_bytes: int = int(layout["slot_bytes"])
         self.slot_stride: int = int(layout["slot_stride"])
+        self.staging_bytes: int = int(layout["staging_bytes"])
         self._attach_token: str = layout["attach_token"]
         self._mapping = mapping
         self._view = memoryview(mapping)

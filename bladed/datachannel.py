@@ -2,7 +2,7 @@
 
 The copy thread sends a binary I/O request (a batch of token ranges) and reads
 the reply itself: no reader thread, no queue, no future between it and the
-daemon's connection thread (protocol 2, docs/protocol.md).  Requests may be
+daemon's connection thread (docs/protocol.md).  Requests may be
 pipelined (:meth:`DataChannel.send` several, then :meth:`DataChannel.receive`
 in order).  The future-returning calls of ``bladed.client.Session`` use a pump
 thread, started on their first use for that channel only.

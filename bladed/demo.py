@@ -16,6 +16,8 @@ import numpy as np
 
 from bladed.io import Engine, Op, StagingBuffer
 from bladed.io.file import FileDevice
+from bladed.residency.geometry import Geometry
+from bladed.sizes import align_up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,13 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--command-kib", type=int, default=1024, help="per-command payload (KiB)")
     args = p.parse_args(argv)
 
-    token_bytes = args.batch * args.heads * args.head_dim * 2          # Table II, fp16
-    kpu_bytes = token_bytes * args.tokens
+    geo = Geometry(layers=args.layers, batch=args.batch, kv_heads=args.heads, head_dim=args.head_dim,
+                   dtype_bytes=2, max_tokens=args.tokens)                # fp16
+    kpu_bytes = geo.kpu_bytes
     n_kpus = 2 * args.layers
-    total = kpu_bytes * n_kpus
+    total = geo.kv_bytes
     os.makedirs(args.state_dir, exist_ok=True)
     path = os.path.join(args.state_dir, "kv-store.img")
-    store_bytes = -(-total // (1 << 20)) * (1 << 20)
+    store_bytes = align_up(total, 1 << 20)
     print(f"bladed demo: {args.layers} layers x (K, V), KPU {kpu_bytes / 2**20:.1f} MiB "
           f"(B={args.batch} H={args.heads} D={args.head_dim} fp16, {args.tokens} tokens), "
           f"{total / 2**20:.0f} MiB in all")

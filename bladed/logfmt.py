@@ -1,7 +1,7 @@
 """``key=value`` log lines (logfmt): how a value is written, and how a log call adds fields.
 
 A leaf module (it imports nothing of bladed), so every layer can attach fields
-to its log records: ``log.info("session plan", extra=fields(session=sid, n1=3))``.
+to its log records: ``log.info("session plan", extra=fields(session=sid, group1_layers=3))``.
 The daemon's formatter (:class:`bladed.server.systemd.LogfmtFormatter`) writes
 them after ``msg=``; docs/operations.md ("Logs") describes the line.
 """

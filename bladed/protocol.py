@@ -28,6 +28,7 @@ Shared by the server and the client; imports nothing from either.
 from __future__ import annotations
 
 import array
+import builtins
 import contextlib
 import enum
 import json
@@ -36,13 +37,14 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 #: version of the request/reply vocabulary; bumped on any incompatible change
-#: (2: data connections with binary batched I/O frames, ``attach``)
-PROTOCOL_VERSION = 2
+#: (2: data connections with binary batched I/O frames, ``attach``; 3: descriptive reply field names
+#: instead of the paper's symbols, and the daemon sizes an empty staging memfd itself)
+PROTOCOL_VERSION = 3
 #: oldest client protocol this build still serves
-MIN_PROTOCOL_VERSION = 2
+MIN_PROTOCOL_VERSION = 3
 #: frame formats: the body is JSON, or a binary I/O request/reply (data connections)
 JSON_FORMAT = 1
 IO_FORMAT = 2
@@ -57,7 +59,7 @@ MAX_FDS = 4
 INT_MIN = -(1 << 63)
 INT_MAX = (1 << 63) - 1
 
-#: the JSON requests of protocol 2 (docs/protocol.md has one section per op)
+#: the JSON requests (docs/protocol.md has one section per op)
 OPS = (
     "hello", "open_session", "close_session", "attach", "write", "read",
     "status", "sessions", "stats", "budget", "trim",
@@ -84,7 +86,7 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
 
 
-# -- exceptions (raised by the client, named after the error codes) ----------
+# -- exceptions (raised by the client) ------------------------------------------
 class BladedError(Exception):
     """Base class of every error the client library raises."""
 
@@ -96,94 +98,77 @@ class BladedError(Exception):
             self.code = code
 
 
-class ProtocolError(BladedError):
-    """The peer broke the wire format (bad frame, bad JSON, unexpected reply)."""
-
-    code = ErrorCode.BAD_FRAME
-
-
-class IncompatibleProtocolError(BladedError):
-    """The daemon and the client speak different protocol versions."""
-
-    code = ErrorCode.INCOMPATIBLE_PROTOCOL
-
-
-class PermissionDeniedError(BladedError, PermissionError):
-    """The peer's uid/gid is not allowed, or the op needs an admin."""
-
-    code = ErrorCode.PERMISSION_DENIED
-
-
-class NoSuchSessionError(BladedError):
-    code = ErrorCode.NO_SUCH_SESSION
-
-
-class BadRequestError(BladedError, ValueError):
-    """A request field was missing, mistyped or out of range."""
-
-    code = ErrorCode.BAD_REQUEST
-
-
-class OutOfRangeError(BadRequestError):
-    code = ErrorCode.OUT_OF_RANGE
+#: The one table of error codes and the exceptions the client raises for them (docs/protocol.md, "Error
+#: codes"): exception, what else it is (a builtin exception, or one above it in this table), the codes it
+#: is raised for (the first is its ``code``), what it means.  ``internal`` (and any code this client does
+#: not know) raises BladedError itself.
+ERRORS: tuple[tuple[str, str, tuple[ErrorCode, ...], str], ...] = (
+    ("ProtocolError", "", (ErrorCode.BAD_FRAME, ErrorCode.HANDSHAKE_REQUIRED),
+     "The peer broke the wire format (bad frame, bad JSON, unexpected reply)."),
+    ("IncompatibleProtocolError", "", (ErrorCode.INCOMPATIBLE_PROTOCOL,),
+     "The daemon and the client speak different protocol versions."),
+    ("PermissionDeniedError", "PermissionError", (ErrorCode.PERMISSION_DENIED,),
+     "The peer's uid/gid is not allowed, or the op needs an admin."),
+    ("NoSuchSessionError", "", (ErrorCode.NO_SUCH_SESSION,),
+     "The session is unknown, closing, or belongs to another connection."),
+    ("BadRequestError", "ValueError", (ErrorCode.BAD_REQUEST, ErrorCode.UNKNOWN_OP),
+     "A request field was missing, mistyped or out of range, or the op is unknown."),
+    ("OutOfRangeError", "BadRequestError", (ErrorCode.OUT_OF_RANGE,),
+     "A layer, kind, channel, token range or slot bytes outside the session."),
+    ("QuotaExceededError", "", (ErrorCode.QUOTA_EXCEEDED,),
+     "The uid's sessions would hold more than its quota."),
+    ("NoSpaceError", "", (ErrorCode.NO_SPACE,), "The region has no contiguous run large enough."),
+    ("BusyError", "", (ErrorCode.BUSY,),
+     "Too many requests, sessions or connections at once, or sessions open (trim)."),
+    ("RemoteIOError", "OSError", (ErrorCode.IO_ERROR,),
+     "The daemon's device or page-cache I/O failed for this request."),
+    ("IntegrityError", "", (ErrorCode.INTEGRITY_ERROR,),
+     "A read returned data whose crc32c differs from what was written (session checksums on)."),
+    ("ShuttingDownError", "", (ErrorCode.SHUTTING_DOWN,), "The daemon is draining."),
+)
 
 
-class QuotaExceededError(BladedError):
-    code = ErrorCode.QUOTA_EXCEEDED
+def _exception_classes() -> tuple[dict[str, type[BladedError]], dict[ErrorCode, type[BladedError]]]:
+    """The classes of :data:`ERRORS`, by name and by code."""
+    by_name: dict[str, type[BladedError]] = {}
+    by_code: dict[ErrorCode, type[BladedError]] = {ErrorCode.INTERNAL: BladedError}
+    for name, also, codes, doc in ERRORS:
+        bases: tuple[type[Exception], ...] = (
+            (by_name[also],) if also in by_name else (BladedError, getattr(builtins, also)) if also else (BladedError,))
+        cls = cast("type[BladedError]", type(name, bases, {"__doc__": doc, "__module__": __name__,
+                                                            "__qualname__": name, "code": codes[0]}))
+        by_name[name] = cls
+        by_code.update(dict.fromkeys(codes, cls))
+    if set(by_code) != set(ErrorCode):
+        raise RuntimeError(f"protocol.ERRORS misses {sorted(set(ErrorCode) - set(by_code))}")  # a bug, at import
+    return by_name, by_code
 
 
-class NoSpaceError(BladedError):
-    code = ErrorCode.NO_SPACE
-
-
-class BusyError(BladedError):
-    code = ErrorCode.BUSY
-
-
-class RemoteIOError(BladedError, OSError):
-    """The daemon's device or page-cache I/O failed for this request."""
-
-    code = ErrorCode.IO_ERROR
-
-
-class IntegrityError(BladedError):
-    """A read returned data whose crc32c differs from what was written (session checksums on)."""
-
-    code = ErrorCode.INTEGRITY_ERROR
-
-
-class ShuttingDownError(BladedError):
-    code = ErrorCode.SHUTTING_DOWN
+_CLASSES, _BY_CODE = _exception_classes()
+# the names users import and catch (``except NoSuchSessionError``), one per row of ERRORS
+ProtocolError = _CLASSES["ProtocolError"]
+IncompatibleProtocolError = _CLASSES["IncompatibleProtocolError"]
+PermissionDeniedError = _CLASSES["PermissionDeniedError"]
+NoSuchSessionError = _CLASSES["NoSuchSessionError"]
+BadRequestError = _CLASSES["BadRequestError"]
+OutOfRangeError = _CLASSES["OutOfRangeError"]
+QuotaExceededError = _CLASSES["QuotaExceededError"]
+NoSpaceError = _CLASSES["NoSpaceError"]
+BusyError = _CLASSES["BusyError"]
+RemoteIOError = _CLASSES["RemoteIOError"]
+IntegrityError = _CLASSES["IntegrityError"]
+ShuttingDownError = _CLASSES["ShuttingDownError"]
 
 
 class DaemonLostError(BladedError, ConnectionError):
-    """The connection to bladed broke (daemon stopped, crashed or restarted)."""
+    """The connection to bladed broke (daemon stopped, crashed or restarted); no error code sent it."""
 
     code = ErrorCode.SHUTTING_DOWN
 
 
-_ERROR_CLASSES: dict[ErrorCode, type[BladedError]] = {
-    ErrorCode.BAD_FRAME: ProtocolError,
-    ErrorCode.BAD_REQUEST: BadRequestError,
-    ErrorCode.UNKNOWN_OP: BadRequestError,
-    ErrorCode.HANDSHAKE_REQUIRED: ProtocolError,
-    ErrorCode.INCOMPATIBLE_PROTOCOL: IncompatibleProtocolError,
-    ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
-    ErrorCode.NO_SUCH_SESSION: NoSuchSessionError,
-    ErrorCode.OUT_OF_RANGE: OutOfRangeError,
-    ErrorCode.QUOTA_EXCEEDED: QuotaExceededError,
-    ErrorCode.NO_SPACE: NoSpaceError,
-    ErrorCode.BUSY: BusyError,
-    ErrorCode.IO_ERROR: RemoteIOError,
-    ErrorCode.INTEGRITY_ERROR: IntegrityError,
-    ErrorCode.SHUTTING_DOWN: ShuttingDownError,
-    ErrorCode.INTERNAL: BladedError,
-}
-
-
 def error_for(code: ErrorCode, message: str) -> BladedError:
-    """The exception the client raises for ``code``."""
-    return _ERROR_CLASSES[code](message, code)
+    """The exception the client raises for ``code`` (its row of :data:`ERRORS`)."""
+    return _BY_CODE[code](message, code)
 
 
 def error_from_reply(reply: dict[str, Any]) -> BladedError:

@@ -67,7 +67,7 @@ def test_sessions_stats_budget_with_a_live_session(daemon: DaemonProcess) -> Non
         s.read(0, "k", 1)
         rows = json.loads(bladectl("sessions", "--json", socket=daemon.socket_path).output)
         (row,) = [r for r in rows if r["session"] == s.id]
-        assert (row["mode"], row["channels"], row["n1"], row["ops"]) == ("dualblade", 2, 1, 5)
+        assert (row["mode"], row["channels"], row["group1_layers"], row["ops"]) == ("dualblade", 2, 1, 5)
         assert row["extent"]["nblocks"] == 6 * KPU // 4096 and row["pid"] == os.getpid()
         assert s.id in bladectl("sessions", socket=daemon.socket_path).output
 
@@ -77,11 +77,13 @@ def test_sessions_stats_budget_with_a_live_session(daemon: DaemonProcess) -> Non
         assert st["sessions"] >= 1 and st["extents"]["used_blocks"] >= 6 * KPU // 4096
 
         b = as_json(bladectl("budget", "--json", socket=daemon.socket_path))
-        for term in ("m_avail", "m_max", "m_anon_shmem", "m_star", "n_threads", "m_pin", "b_pc"):
+        for term in ("host_available_bytes", "memory_limit_bytes", "anon_shmem_bytes", "usable_bytes", "copy_threads",
+                     "pinned_per_thread_bytes", "pinned_bytes", "pagecache_budget_bytes"):
             assert term in b["sample"], term
-        assert b["sample"]["b_pc"] == b["override_bytes"] == 2 * KPU
+        assert b["sample"]["pagecache_budget_bytes"] == b["override_bytes"] == 2 * KPU
         (mine,) = [x for x in b["sessions"] if x["session"] == s.id]
-        assert (mine["channels"], mine["m_pin"], mine["x_bytes"], mine["n1"]) == (2, KPU, 2 * KPU, 1)
+        assert (mine["channels"], mine["pinned_per_thread_bytes"], mine["budget_bytes"]) == (2, KPU, 2 * KPU)
+        assert (mine["group1_limit_bytes"], mine["group1_layers"], mine["group1_bytes"]) == (2 * KPU, 1, 2 * KPU)
         human = bladectl("budget", socket=daemon.socket_path).output
         assert "[Eq. 1" in human and "[Eq. 2]" in human and f"session {s.id}" in human
 

@@ -65,38 +65,40 @@ def test_own_cgroup_is_found_on_this_host() -> None:
 @pytest.mark.root
 def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
     cg, w = loaded_cgroup
-    budgeter = Budgeter(n_threads=2, m_pin=8 * MiB, pid=w.pid)
+    budgeter = Budgeter(copy_threads=2, pinned_per_thread_bytes=8 * MiB, pid=w.pid)
     before = kernel_anon_shmem(cg)
     b = budgeter.sample()
     after = kernel_anon_shmem(cg)
     assert before == after, "the idle worker's charges moved during the sample"
     anon, shmem = after
     assert b.cgroup == cg.path and b.cgroup_version == cg.version
-    assert b.m_max == 256 * MiB and b.limited and b.m_max_source.startswith(cg.path)
-    assert (b.m_anon, b.m_shmem) == (anon, shmem)
-    assert b.m_anon_shmem == anon + shmem
+    assert b.memory_limit_bytes == 256 * MiB and b.limited and b.memory_limit_source.startswith(cg.path)
+    assert (b.anon_bytes, b.shmem_bytes) == (anon, shmem)
+    assert b.anon_shmem_bytes == anon + shmem
     assert shmem >= 32 * MiB and anon >= 48 * MiB          # what the worker really holds
-    assert b.m_star == min(b.m_avail, 256 * MiB - anon - shmem)          # Eq. 1
-    assert b.binding == "cgroup"                                          # 24 GiB host, 256 MiB limit
-    assert b.b_pc == max(0, b.m_star - 2 * 8 * MiB) == b.b_pc_computed    # Eq. 2
+    assert b.usable_bytes == min(b.host_available_bytes, 256 * MiB - anon - shmem)      # Eq. 1
+    assert b.binding == "cgroup"                                                        # 24 GiB host, 256 MiB limit
+    assert b.pinned_bytes == 2 * 8 * MiB                                               # N_threads * M_pin; Eq. 2 below
+    assert b.pagecache_budget_bytes == max(0, b.usable_bytes - b.pinned_bytes) == b.pagecache_budget_computed_bytes
     # page cache (file, shmem excluded) is reported, not subtracted
     s = read_stat(cg.path)
-    assert b.m_file == (s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"])
+    assert b.file_bytes == (s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"])
 
 
 @pytest.mark.root
 def test_budget_follows_a_changed_limit(loaded_cgroup: Any) -> None:
     cg, _ = loaded_cgroup
-    budgeter = Budgeter(n_threads=2, m_pin=8 * MiB, cgroup_path=cg.path)
+    budgeter = Budgeter(copy_threads=2, pinned_per_thread_bytes=8 * MiB, cgroup_path=cg.path)
     first = budgeter.sample()
     cg.set_limit(192 * MiB)
     second = budgeter.sample()
     anon, shmem = kernel_anon_shmem(cg)
-    assert second.m_max == 192 * MiB
-    assert second.b_pc == 192 * MiB - anon - shmem - 16 * MiB
-    assert first.b_pc - second.b_pc == 64 * MiB + (second.m_anon_shmem - first.m_anon_shmem)
+    assert second.memory_limit_bytes == 192 * MiB
+    assert second.pagecache_budget_bytes == 192 * MiB - anon - shmem - 16 * MiB
+    assert first.pagecache_budget_bytes - second.pagecache_budget_bytes == \
+        64 * MiB + (second.anon_shmem_bytes - first.anon_shmem_bytes)
     cg.set_limit(80 * MiB + 16 * MiB)          # at or below anon+shmem+pins: nothing left for the cache
-    assert budgeter.sample().b_pc == 0
+    assert budgeter.sample().pagecache_budget_bytes == 0
 
 
 @pytest.mark.root
@@ -104,13 +106,13 @@ def test_smallest_ancestor_limit_wins(loaded_cgroup: Any) -> None:
     cg, w = loaded_cgroup
     inner = ChildCgroup(parent=cg)             # no limit of its own
     inner.add(w.pid)
-    b = Budgeter(n_threads=1, m_pin=0, pid=w.pid).sample()
+    b = Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample()
     assert b.cgroup == inner.path
-    assert b.m_max == 256 * MiB and b.m_max_source.startswith(cg.path)
+    assert b.memory_limit_bytes == 256 * MiB and b.memory_limit_source.startswith(cg.path)
     inner.set_limit(512 * MiB)                 # looser than the parent: still the parent's
-    assert Budgeter(n_threads=1, m_pin=0, pid=w.pid).sample().m_max == 256 * MiB
+    assert Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample().memory_limit_bytes == 256 * MiB
     inner.set_limit(200 * MiB)
-    assert Budgeter(n_threads=1, m_pin=0, pid=w.pid).sample().m_max == 200 * MiB
+    assert Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample().memory_limit_bytes == 200 * MiB
 
 
 @pytest.mark.root
@@ -118,15 +120,17 @@ def test_override_and_cap(loaded_cgroup: Any) -> None:
     cg, _ = loaded_cgroup
     free = Budgeter(2, 8 * MiB, cgroup_path=cg.path).sample()
     fixed = Budgeter(2, 8 * MiB, override_bytes=1 * GiB, cgroup_path=cg.path).sample()
-    assert fixed.b_pc == GiB and fixed.b_pc_computed == free.b_pc_computed and fixed.override_bytes == GiB
+    assert fixed.pagecache_budget_bytes == GiB and fixed.override_bytes == GiB
+    assert fixed.pagecache_budget_computed_bytes == free.pagecache_budget_computed_bytes
     capped = Budgeter(2, 8 * MiB, cap_bytes=10 * MiB, cgroup_path=cg.path).sample()
-    assert capped.b_pc == 10 * MiB and capped.cap_bytes == 10 * MiB
+    assert capped.pagecache_budget_bytes == 10 * MiB and capped.cap_bytes == 10 * MiB
     loose = Budgeter(2, 8 * MiB, cap_bytes=10 * GiB, cgroup_path=cg.path).sample()
-    assert loose.b_pc == loose.b_pc_computed
+    assert loose.pagecache_budget_bytes == loose.pagecache_budget_computed_bytes
     assert "capped" in capped.describe() and "override" in fixed.describe()
     d = capped.to_dict()
-    for key in ("m_avail", "m_max", "m_anon_shmem", "m_star", "n_threads", "m_pin", "b_pc", "cgroup",
-                "cgroup_version", "override_bytes", "cap_bytes", "sampled_at"):
+    for key in ("host_available_bytes", "memory_limit_bytes", "anon_shmem_bytes", "usable_bytes", "copy_threads",
+                "pinned_per_thread_bytes", "pinned_bytes", "pagecache_budget_bytes", "cgroup", "cgroup_version",
+                "override_bytes", "cap_bytes", "sampled_at"):
         assert key in d
 
 
@@ -149,7 +153,8 @@ def test_thread_reports_a_limit_change(loaded_cgroup: Any) -> None:
         assert changed.wait(30), "the periodic sample did not report the new limit"
     finally:
         budgeter.stop()
-    assert got[0].m_max == 160 * MiB and got[0].b_pc < start.b_pc - 64 * MiB
+    assert got[0].memory_limit_bytes == 160 * MiB
+    assert got[0].pagecache_budget_bytes < start.pagecache_budget_bytes - 64 * MiB
     assert budgeter.stats["changes"] >= 1
 
 
@@ -249,20 +254,20 @@ def test_v2_parser_on_a_fake_tree(tmp_path: pathlib.Path) -> None:
     b = Budgeter(2, 64 * MiB, proc_root=str(proc), mem_available=lambda: 8 * GiB,
                  mem_total=lambda: 16 * GiB).sample()
     assert b.cgroup_version == "v2"
-    assert b.m_max == 1536 * MiB                              # parent's memory.high is the tightest
-    assert b.m_max_source.endswith("system.slice/memory.high")
-    assert b.m_anon_shmem == 120 * MiB                        # anon + shmem; file (which holds shmem) is not added
-    assert b.m_file == 280 * MiB and b.m_kernel == 4096000
-    assert b.m_star == 1536 * MiB - 120 * MiB and b.binding == "cgroup"
-    assert b.b_pc == b.m_star - 128 * MiB
+    assert b.memory_limit_bytes == 1536 * MiB                              # parent's memory.high is the tightest
+    assert b.memory_limit_source.endswith("system.slice/memory.high")
+    assert b.anon_shmem_bytes == 120 * MiB                        # anon + shmem; file (which holds shmem) is not added
+    assert b.file_bytes == 280 * MiB and b.kernel_bytes == 4096000
+    assert b.usable_bytes == 1536 * MiB - 120 * MiB and b.binding == "cgroup"
+    assert b.pagecache_budget_bytes == b.usable_bytes - 128 * MiB
 
 
 def test_v2_unlimited_uses_host_memory(tmp_path: pathlib.Path) -> None:
     proc = _v2_tree(tmp_path)
     b = Budgeter(2, 64 * MiB, proc_root=str(proc), mem_available=lambda: 3 * GiB,
                  mem_total=lambda: 16 * GiB).sample()
-    assert not b.limited and b.m_max == 16 * GiB and b.m_max_source == "host MemTotal"
-    assert b.m_star == 3 * GiB and b.binding == "m_avail"
+    assert not b.limited and b.memory_limit_bytes == 16 * GiB and b.memory_limit_source == "host MemTotal"
+    assert b.usable_bytes == 3 * GiB and b.binding == "host_available"
 
 
 def test_hybrid_fake_prefers_the_v1_memory_controller(tmp_path: pathlib.Path) -> None:
@@ -283,8 +288,9 @@ def test_hybrid_fake_prefers_the_v1_memory_controller(tmp_path: pathlib.Path) ->
     assert info.version == "v1" and info.path == str(v1 / "app")
     assert info.pressure_file == str(tmp_path / "unified" / "memory.pressure")   # PSI from the v2 hierarchy
     b = Budgeter(1, 0, proc_root=str(proc), mem_available=lambda: 8 * GiB, mem_total=lambda: 16 * GiB).sample()
-    assert b.m_max == GiB and b.m_anon_shmem == 110 * MiB and b.m_file == 190 * MiB   # cache holds shmem
-    assert b.b_pc == GiB - 110 * MiB
+    assert b.memory_limit_bytes == GiB and b.anon_shmem_bytes == 110 * MiB
+    assert b.file_bytes == 190 * MiB                                     # cache holds shmem
+    assert b.pagecache_budget_bytes == GiB - 110 * MiB
 
 
 def test_host_without_memory_controller(tmp_path: pathlib.Path) -> None:
@@ -293,8 +299,8 @@ def test_host_without_memory_controller(tmp_path: pathlib.Path) -> None:
                       mountinfo=f"30 1 0:26 / {tmp_path / 'cg2'} rw - cgroup2 cgroup2 rw\n", files=files)
     b = Budgeter(1, 0, proc_root=str(proc), mem_available=lambda: 6 * GiB, mem_total=lambda: 16 * GiB).sample()
     assert b.cgroup_version == "none" and b.cgroup == ""
-    assert b.m_anon_shmem == (1024 + 64) * MiB                # host AnonPages + Shmem
-    assert b.b_pc == 6 * GiB
+    assert b.anon_shmem_bytes == (1024 + 64) * MiB                # host AnonPages + Shmem
+    assert b.pagecache_budget_bytes == 6 * GiB
 
 
 def test_explicit_path_detection(tmp_path: pathlib.Path) -> None:
@@ -327,5 +333,5 @@ def test_formula_on_fake_v2(limit: int, anon: int, shmem: int, avail: int, n: in
         b = Budgeter(n, pin, proc_root=str(proc), mem_available=lambda: avail,
                      mem_total=lambda: 128 * GiB).sample()
     m_star = min(avail, limit - anon - shmem)
-    assert (b.m_max, b.m_anon_shmem, b.m_star) == (limit, anon + shmem, m_star)
-    assert b.b_pc == max(0, m_star - n * pin) >= 0
+    assert (b.memory_limit_bytes, b.anon_shmem_bytes, b.usable_bytes) == (limit, anon + shmem, m_star)
+    assert b.pagecache_budget_bytes == max(0, m_star - n * pin) >= 0

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bladed.io.chunking import Chunk, chunk_bytes, chunk_cap, command_chunk, plan_chunks, planning_target
-from bladed.io.errors import AlignmentError, InvalidRequestError, OutOfRangeError
+from bladed.io.errors import AlignmentError, InvalidRequestError, TargetRangeError
 from bladed.io.uring import Op
 
 SSD_A = (4096, 256 << 10)   # 4 KiB LBA, 256 KiB MDTS
@@ -99,7 +99,7 @@ def test_request_of_2_64_minus_4096_bytes_counts_without_wrapping() -> None:
     last, _ = command_chunk(t, Op.READ, 0, nbytes, offset=(count - 1) << 20)
     assert last == Chunk(slba=(count - 1) * 256, nlb=254, buf_offset=(count - 1) << 20)   # one block short
     # a file or block device takes a byte offset (loff_t): the same request does not fit 63 bits
-    with pytest.raises(OutOfRangeError, match=f"of {nbytes} bytes.*ends past 63-bit byte offsets") as e:
+    with pytest.raises(TargetRangeError, match=f"of {nbytes} bytes.*ends past 63-bit byte offsets") as e:
         command_chunk(planning_target(4096, 1 << 20, lib.BD_KIND_FILE), Op.READ, 0, nbytes)
     assert e.value.errno == errno.EOVERFLOW
 
@@ -108,13 +108,13 @@ def test_slba_near_2_64_is_refused_not_wrapped() -> None:
     t = planning_target(4096, 1 << 20, lib.BD_KIND_NVME)
     assert command_chunk(t, Op.READ, U64 - 2, 4096)[0].slba == U64 - 2        # the last block that fits
     for slba, nbytes in ((U64 - 1, 4096), (U64 - 1, 8192), (U64 - 256, 2 << 20)):
-        with pytest.raises(OutOfRangeError, match=f"from LBA {slba} ends past the 64-bit LBA space") as e:
+        with pytest.raises(TargetRangeError, match=f"from LBA {slba} ends past the 64-bit LBA space") as e:
             command_chunk(t, Op.WRITE, slba, nbytes)
         assert e.value.errno == errno.EOVERFLOW
     f = planning_target(4096, 1 << 20, lib.BD_KIND_FILE)
     last = (2**63 - 1) >> 12                                   # (slba + blocks) * 4096 must stay below 2^63
     assert command_chunk(f, Op.READ, last - 1, 4096)[0].slba == last - 1
-    with pytest.raises(OutOfRangeError, match=f"slba \\+ LBAs must be at most {last}\\)"):
+    with pytest.raises(TargetRangeError, match=f"slba \\+ LBAs must be at most {last}\\)"):
         command_chunk(f, Op.READ, last, 4096)
 
 

@@ -20,6 +20,7 @@ from bladed.client import (
     geometry_dict,
 )
 from bladed.residency import Geometry
+from bladed.residency.geometry import dtype_bytes
 
 GEO = Geometry(layers=4, batch=2, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=16)
 KPU = GEO.kpu_bytes
@@ -36,17 +37,25 @@ def test_geometry_from_geometry_mapping_or_dtype_name() -> None:
     assert geometry_dict(GEO.to_dict()) == want
     named = {k: v for k, v in want.items() if k != "dtype_bytes"} | {"dtype": "torch.bfloat16"}
     assert geometry_dict(named) == want
-    with pytest.raises(ValueError, match="unknown dtype"):
+    with pytest.raises(ValueError, match=r"unknown dtype 'complex32x'; known are float8, fp8, .*, or give dtype_bytes"):
         geometry_dict(dict(named, dtype="complex32x"))
     with pytest.raises(ValueError, match="lacks 'batch'"):
         geometry_dict({"layers": 1})
 
 
+def test_one_dtype_table_for_names_and_torch_dtypes() -> None:
+    import torch
+    assert [dtype_bytes(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)] == [2, 2, 4, 8]
+    assert [dtype_bytes(d) for d in ("fp8", "half", "BF16", "float")] == [1, 2, 2, 4]
+    with pytest.raises(ValueError, match=r"unknown dtype torch\.complex64"):
+        dtype_bytes(torch.complex64)
+
+
 def test_session_plan_slots_and_sync_io(daemon: DaemonProcess) -> None:
     with Client(daemon.socket_path) as c, c.open_session(GEO, channels=2) as s:
-        assert s.plan["n1"] == 1 and s.plan["mode"] == "dualblade"
+        assert s.plan["group1_layers"] == 1 and s.plan["mode"] == "dualblade"
         assert [k["path"] for k in s.plan["kpus"]] == ["pagecache"] * 2 + ["direct"] * 6
-        assert s.plan["budget"]["b_pc"] == 2 * KPU and "m_avail" in s.plan["budget"]
+        assert s.plan["budget"]["pagecache_budget_bytes"] == 2 * KPU and "host_available_bytes" in s.plan["budget"]
         assert s.kpu(2, "v")["group"] == 2
         slot = s.slot(1)
         assert len(slot) == KPU and not slot.readonly and s.token_bytes == GEO.token_bytes
@@ -121,10 +130,12 @@ def test_torch_tensors_over_the_shared_slot_on_cpu(daemon: DaemonProcess) -> Non
 
 def test_staging_size_is_checked(daemon: DaemonProcess) -> None:
     with Client(daemon.socket_path) as c:
-        with pytest.raises(ValueError, match="less than 2 slots of"):
+        with pytest.raises(ValueError, match="hold 2 slots of"):
             c.open_session(GEO, channels=2, staging_bytes=KPU)
-        with c.open_session(GEO, channels=1, staging_bytes=3 * KPU) as s:
-            assert s.slot_stride == KPU
+        with pytest.raises(ValueError, match=f"field 'slot_bytes' must be >= {KPU}, got {KPU - 1}"):
+            c.open_session(GEO, channels=1, slot_bytes=KPU - 1)
+        with c.open_session(GEO, channels=1, staging_bytes=3 * KPU - 1) as s:
+            assert (s.slot_stride, s.staging_bytes) == (KPU, 3 * KPU)      # rounded up to staging_align
         with pytest.raises(ValueError, match="mode"):
             c.open_session(GEO, mode="fast")
 

@@ -67,7 +67,7 @@ def test_two_client_processes_round_trip_on_both_paths(tmp: str) -> None:
         pa = a.call("open", geometry=ALIGNED)["plan"]
         pb = b.call("open", geometry=ALIGNED)["plan"]
         # the page-cache budget is shared: the second session gets what the first left
-        assert (pa["n1"], pb["n1"]) == (2, 0)
+        assert (pa["group1_layers"], pb["group1_layers"]) == (2, 0)
         a.send("write_all", seed=1)
         b.send("write_all", seed=2)
         assert a.expect()["paths"] == ["pagecache"] * 4 + ["direct"] * 4

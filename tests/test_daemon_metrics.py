@@ -88,12 +88,13 @@ def test_metrics_on_a_unix_socket_follow_the_traffic(tmp: str) -> None:
             # one gauge per term of Eq. 1-2, in bytes
             assert m[("bladed_pagecache_budget_bytes", ())] == 2 * KPU          # B_pc (the override)
             assert m[("bladed_pagecache_held_bytes", ())] == 2 * KPU            # Group 1: layer 0's K and V
-            assert m[("bladed_pagecache_budget_computed_bytes", ())] == sample["b_pc_computed"]
-            assert m[("bladed_memory_available_bytes", ())] == sample["m_avail"] > 0
-            assert m[("bladed_memory_limit_bytes", ())] == sample["m_max"]
-            assert m[("bladed_memory_anon_shmem_bytes", ())] == sample["m_anon_shmem"]
-            assert m[("bladed_memory_usable_bytes", ())] == sample["m_star"]
-            assert m[("bladed_staging_pinned_bytes", ())] == sample["n_threads"] * sample["m_pin"] >= 2 * KPU
+            assert m[("bladed_pagecache_budget_computed_bytes", ())] == sample["pagecache_budget_computed_bytes"]
+            assert m[("bladed_memory_available_bytes", ())] == sample["host_available_bytes"] > 0
+            assert m[("bladed_memory_limit_bytes", ())] == sample["memory_limit_bytes"]
+            assert m[("bladed_memory_anon_shmem_bytes", ())] == sample["anon_shmem_bytes"]
+            assert m[("bladed_memory_usable_bytes", ())] == sample["usable_bytes"]
+            assert m[("bladed_staging_pinned_bytes", ())] == sample["pinned_bytes"] >= 2 * KPU
+            assert sample["pinned_bytes"] == sample["copy_threads"] * sample["pinned_per_thread_bytes"]
             assert not any(name in ("bladed_budget_bytes", "bladed_extent_blocks") for name, _ in m)
             # the process collector: the daemon's process, not this test's
             assert m[("process_resident_memory_bytes", ())] > 0 and m[("process_open_fds", ())] > 0

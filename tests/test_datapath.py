@@ -1,4 +1,4 @@
-"""Data connections and batched binary I/O against a real daemon (protocol 2, docs/protocol.md).
+"""Data connections and batched binary I/O against a real daemon (docs/protocol.md).
 
 A copy thread attaches its own connection to one channel of a session, sends
 batches of ranges and reads each reply itself.  Bad ranges refuse a batch
@@ -171,13 +171,15 @@ def test_closing_the_session_ends_its_data_connections(daemon: DaemonProcess) ->
         s._closed = True
 
 
-def test_a_protocol_1_client_is_told_to_upgrade(daemon: DaemonProcess) -> None:
+@pytest.mark.parametrize("old", [1, 2])
+def test_an_older_protocol_client_is_told_to_upgrade(daemon: DaemonProcess, old: int) -> None:
+    """Protocol 1 had no data connections; protocol 2 named reply fields after the paper's symbols."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(daemon.socket_path)
-    send_frame(sock, {**hello_request(0, "old"), "protocol": 1})
+    send_frame(sock, {**hello_request(0, "old"), "protocol": old})
     body = FrameReader(sock).read().body
     assert body["error"]["code"] == "incompatible_protocol"
-    assert "client speaks protocol 1; this bladed" in body["error"]["message"]
+    assert f"client speaks protocol {old}; this bladed" in body["error"]["message"]
     assert f"speaks {PROTOCOL_VERSION}..{PROTOCOL_VERSION}" in body["error"]["message"]
     assert sock.recv(1) == b""                          # and the connection is closed
     sock.close()

@@ -16,9 +16,9 @@ from bladed.io import (
     BladedIOError,
     Engine,
     Op,
-    OutOfRangeError,
     ShortTransferError,
     StagingBuffer,
+    TargetRangeError,
     Transfer,
     open_device,
 )
@@ -120,9 +120,9 @@ def test_misaligned_address_and_length_are_refused(file_dev: FileDevice, staging
 
 def test_out_of_range_is_refused(file_dev: FileDevice, staging: StagingBuffer) -> None:
     with Engine(file_dev, 4, [staging]) as eng:
-        with pytest.raises(OutOfRangeError, match="past the end"):
+        with pytest.raises(TargetRangeError, match="past the end"):
             eng.read(file_dev.capacity_blocks - 1, staging, nbytes=8192)
-        with pytest.raises(OutOfRangeError, match="past the end"):
+        with pytest.raises(TargetRangeError, match="past the end"):
             eng.discard(file_dev.capacity_blocks, 1)
 
 
@@ -258,9 +258,9 @@ REFUSED = [
      "lba_shift 4294967295 is outside"),
     ("max_chunk_bytes", 0, Op.WRITE, 0, 4096, None, InvalidRequestError, errno.EINVAL,
      "max_chunk_bytes=0 is smaller than one 4096-byte LBA"),
-    (None, None, Op.READ, 0, U64 - 4096, None, OutOfRangeError, errno.EOVERFLOW,
+    (None, None, Op.READ, 0, U64 - 4096, None, TargetRangeError, errno.EOVERFLOW,
      f"read of {U64 - 4096} bytes at LBA 0.*ends past 63-bit byte offsets"),
-    (None, None, Op.WRITE_ZEROES, U64 - 1, 4096, None, OutOfRangeError, errno.EOVERFLOW,
+    (None, None, Op.WRITE_ZEROES, U64 - 1, 4096, None, TargetRangeError, errno.EOVERFLOW,
      f"a range of 1 LBAs from LBA {U64 - 1} ends past 63-bit"),
     (None, None, Op.READ, 0, 1000, None, AlignmentError, errno.EINVAL, "length 1000 is not a multiple of the 4096"),
     (None, None, Op.READ, 0, 8192, U64 - 4096, InvalidRequestError, errno.EOVERFLOW,

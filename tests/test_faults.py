@@ -389,9 +389,9 @@ def test_memory_pressure_shrinks_the_budget_without_an_oom_kill(tmp: str) -> Non
         with DaemonProcess(tmp, cfg).start() as d:
             cg.add(d.pid)
             with Client(d.socket_path) as c:
-                big = c.budget()["sample"]["b_pc"]
+                big = c.budget()["sample"]["pagecache_budget_bytes"]
                 s1 = c.open_session(geo, channels=1)
-                assert s1.plan["n1"] == geo["layers"]       # everything fits at first
+                assert s1.plan["group1_layers"] == geo["layers"]       # everything fits at first
                 for layer in range(geo["layers"]):
                     s1.slot(0)[:] = bytes([layer]) * kpu
                     s1.write(layer, "k", 0)
@@ -400,10 +400,10 @@ def test_memory_pressure_shrinks_the_budget_without_an_oom_kill(tmp: str) -> Non
                 with open(os.path.join(cg.path, usage_file)) as f:
                     usage = int(f.read())
                 cg.set_limit(usage + (6 << 20))
-                small = c.budget()["sample"]["b_pc"]
+                small = c.budget()["sample"]["pagecache_budget_bytes"]
                 assert small < big and small <= usage + (6 << 20)
                 s2 = c.open_session(geo, channels=1)
-                assert s2.plan["n1"] < geo["layers"], s2.plan  # the new plan sees the smaller budget
+                assert s2.plan["group1_layers"] < geo["layers"], s2.plan  # the new plan sees the smaller budget
                 for layer in range(geo["layers"]):
                     s2.slot(0)[:] = bytes([100 + layer]) * kpu
                     s2.write(layer, "v", 0)

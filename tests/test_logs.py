@@ -163,8 +163,9 @@ def test_debug_adds_connection_session_and_plan_lines_but_none_per_request(tmp: 
         assert (opened["level"], opened["uid"]) == ("debug", str(os.getuid()))
         with c.open_session(GEOMETRY, channels=2) as s:
             plan = d.wait_fields(msg("session plan", session=s.id))[0]
-            assert (plan["mode"], plan["b_pc"], plan["granted"]) == ("dualblade", str(2 * KPU), str(2 * KPU))
-            assert (plan["group1"], plan["group2"], plan["n1"]) == ("k0,v0", "k1,v1", "1")
+            assert (plan["mode"], plan["pagecache_budget_bytes"], plan["granted"]) == \
+                ("dualblade", str(2 * KPU), str(2 * KPU))
+            assert (plan["group1"], plan["group2"], plan["group1_layers"]) == ("k0,v0", "k1,v1", "1")
             s.write(0, "k", 0)
             s.write(1, "v", 1)                                   # one data connection per channel
             attached = d.wait_fields(msg("data connection attached", session=s.id), 2)
@@ -230,14 +231,15 @@ def test_budget_moves_found_by_periodic_samples_are_debug_lines(tmp: str) -> Non
             d.signal(signal.SIGHUP)
             assert d.wait_event("reload")["applied"] == "log.level"
             cg.set_limit(256 * MiB)
-            (moved,) = d.wait_fields(msg("budget applied to live sessions", b_pc=str(256 * MiB)))
+            (moved,) = d.wait_fields(msg("budget applied to live sessions", pagecache_budget_bytes=str(256 * MiB)))
             assert moved["grants"] == "none"                                  # no session to re-plan
-            (line,) = [f for f in budget_lines(d) if f["b_pc"] == str(256 * MiB)]
+            (line,) = [f for f in budget_lines(d) if f["pagecache_budget_bytes"] == str(256 * MiB)]
             if line["msg"] == "budget changed (periodic)":
                 assert line["level"] == "debug"
             else:   # a memory-pressure sample found it first: that one is news, at INFO
                 assert (line["msg"], line["level"]) == ("budget changed (pressure)", "info")
-            assert (line["previous_b_pc"], line["m_max"]) == (str(512 * MiB), str(256 * MiB))
+            assert (line["previous_pagecache_budget_bytes"], line["memory_limit_bytes"]) == \
+                (str(512 * MiB), str(256 * MiB))
             assert line["cgroup"].endswith(cg.path)
             samples = metric(path, "bladed_budget_samples_total", (("reason", "periodic"),))
             wait_metric(path, "bladed_budget_samples_total", (("reason", "periodic"),), samples + 10)

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from cgroup_util import ChildCgroup, Worker
 
-from bladed.io import Engine, OutOfRangeError, StagingBuffer
+from bladed.io import Engine, StagingBuffer, TargetRangeError
 from bladed.io.errors import BladedIOError
 from bladed.io.file import FileDevice
 from bladed.io.pagecache import PageCacheStore, cachestat
-from bladed.residency import Budgeter, ExtentAllocator, ExtentMap, Geometry, Mode, Path, plan_session
+from bladed.residency import Budgeter, ExtentAllocator, ExtentMap, Geometry, KVPath, Mode, plan_session
 
 MiB = 1 << 20
 
@@ -63,7 +63,7 @@ def test_offsets_inside_a_file_and_into_a_buffer(store: PageCacheStore) -> None:
     out = bytearray(3 * token + 10)
     f.read_into(out, 100 * token, 3 * token, dst_offset=10)
     assert out[10:] == bytes([100]) * token + bytes([101]) * token + bytes([102]) * token
-    with pytest.raises(OutOfRangeError):
+    with pytest.raises(TargetRangeError):
         f.read_into(out, MiB - token, 2 * token)
     with pytest.raises(ValueError, match="outside"):
         f.read_into(out, 0, len(out) + 1)
@@ -254,7 +254,7 @@ def decode_workload(directory: str, store_path: str, mode: str, budget: int, pro
     def write(k: Any, t0: int, n: int) -> None:
         for t in range(n):
             view[t * tb:(t + 1) * tb] = (k.tensor_id * 31 + t0 + t) & 0xFF
-        if k.path is Path.PAGECACHE:
+        if k.path is KVPath.PAGECACHE:
             files[k.tensor_id].write_from(staging, t0 * tb, n * tb)
             if k.drop_after_use:
                 files[k.tensor_id].drop(t0 * tb, n * tb)
@@ -269,7 +269,7 @@ def decode_workload(directory: str, store_path: str, mode: str, budget: int, pro
     for step in range(steps):                             # decode
         t = prompt + step
         for k in plan.kpus:
-            if k.path is Path.PAGECACHE:
+            if k.path is KVPath.PAGECACHE:
                 f = files[k.tensor_id]
                 hit[k.group] += f.read_into(staging, 0, t * tb) * t * tb
                 read[k.group] += t * tb
@@ -290,7 +290,7 @@ def decode_workload(directory: str, store_path: str, mode: str, budget: int, pro
     store.close()
     staging.close()
     return {
-        "n1": plan.n1,
+        "group1_layers": plan.group1_layers,
         "resident_kpus": len(plan.group1()),
         "group1_bytes": plan.group1_bytes,
         "group1": hit[1] / read[1] if read[1] else None,
@@ -326,10 +326,10 @@ def test_dualblade_keeps_group1_resident_where_baseline_collapses(limited_worker
     anon_shmem = stat["total_rss"] + stat["total_shmem"] if cg.version == "v1" else stat["anon"] + stat["shmem"]
     cg.set_limit(anon_shmem + 2 * s + 11 * s + s // 2)
     # the budget of the worker's cgroup, exactly as the daemon computes its own
-    b = Budgeter(n_threads=2, m_pin=s, pid=w.pid).sample()
-    assert b.cgroup == cg.path and b.limited and b.m_max == cg.limit()
-    assert 0 < b.b_pc < geo.kv_bytes
-    args = {"prompt": PROMPT, "steps": STEPS, "geometry": GEOMETRY, "budget": b.b_pc}
+    b = Budgeter(copy_threads=2, pinned_per_thread_bytes=s, pid=w.pid).sample()
+    assert b.cgroup == cg.path and b.limited and b.memory_limit_bytes == cg.limit()
+    assert 0 < b.pagecache_budget_bytes < geo.kv_bytes
+    args = {"prompt": PROMPT, "steps": STEPS, "geometry": GEOMETRY, "budget": b.pagecache_budget_bytes}
     runs = {"baseline": (Mode.BASELINE, "layer-order"), "dualblade": (Mode.DUALBLADE, "layer-order"),
             "cachepolicy": (Mode.CACHEPOLICY, "layer-order"), "dualblade+kpu-fill": (Mode.DUALBLADE, "kpu-fill")}
     results = {}
@@ -339,16 +339,16 @@ def test_dualblade_keeps_group1_resident_where_baseline_collapses(limited_worker
                                         "directory": os.path.join(store_dir, f"pc{i}"),
                                         "store_path": os.path.join(store_dir, f"direct{i}.img")})
     print(f"\npage-cache hit fraction of decode reads (limit {cg.limit() // MiB} MiB, "
-          f"KV {geo.kv_bytes // MiB} MiB, B_pc {b.b_pc // MiB} MiB):")
+          f"KV {geo.kv_bytes // MiB} MiB, B_pc {b.pagecache_budget_bytes // MiB} MiB):")
     for label, r in results.items():
-        print(f"  {label:20s} n1={r['n1']:2d} kpus={r['resident_kpus']:2d} group1={r['group1']} "
+        print(f"  {label:20s} group1_layers={r['group1_layers']:2d} kpus={r['resident_kpus']:2d} group1={r['group1']} "
               f"group2(pc)={r['group2_pagecache']} overall={r['overall']:.3f} decode={r['decode_s']:.2f}s")
     base, dual, cpol = results["baseline"], results["dualblade"], results["cachepolicy"]
     fill = results["dualblade+kpu-fill"]
     assert all(r["data_ok"] for r in results.values())
     # Dual-Blade: Group 1 fits the budget and stays resident through decode
-    assert dual["n1"] >= 2 and dual["group1"] >= 0.97
-    assert dual["overall"] == pytest.approx(dual["n1"] / geo.layers, abs=0.03)
+    assert dual["group1_layers"] >= 2 and dual["group1"] >= 0.97
+    assert dual["overall"] == pytest.approx(dual["group1_layers"] / geo.layers, abs=0.03)
     # Baseline: the cyclic re-read of a working set larger than the cache thrashes
     assert base["overall"] <= 0.2
     assert dual["overall"] > base["overall"] + 0.2

@@ -13,9 +13,9 @@ from bladed.residency import (
     BudgetLedger,
     Geometry,
     KpuFillRanker,
+    KVPath,
     LayerOrderRanker,
     Mode,
-    Path,
     Plan,
     get_ranker,
     plan_session,
@@ -73,15 +73,15 @@ def test_geometry_rejects_bad_fields(field: str, value: object, err: type) -> No
 @given(g=geometries, lba=lba_sizes, budget=st.integers(0, 64 * GiB), frac=st.floats(0, 1))
 def test_algorithm1_layer_order(g: Geometry, lba: int, budget: int, frac: float) -> None:
     x = int(budget * frac)
-    p = plan_session(g, Mode.DUALBLADE, budget, lba, x_bytes=x)
+    p = plan_session(g, Mode.DUALBLADE, budget, lba, group1_limit_bytes=x)
     s_kpu = -(-g.kpu_bytes // 4096) * 4096                       # as the page cache holds it
     n1 = min(x // (2 * s_kpu), g.layers)                          # line 1
-    assert p.n1 == n1 and p.x_bytes == x
+    assert p.group1_layers == n1 and p.group1_limit_bytes == x
     assert [k.tensor_id for k in p.kpus] == list(range(2 * g.layers))
     for k in p.kpus:                                              # lines 2-4
         assert k.tensor_id == 2 * k.layer + (k.kind == "v")
         assert (k.group == 1) == (k.layer < n1)
-        assert k.path is (Path.PAGECACHE if k.group == 1 else Path.DIRECT)
+        assert k.path is (KVPath.PAGECACHE if k.group == 1 else KVPath.DIRECT)
     assert p.group1_bytes <= x
     assert len(p.group1()) + len(p.group2()) == 2 * g.layers
     assert p.direct_bytes == p.extent_blocks * lba
@@ -95,17 +95,17 @@ def test_modes_of_table3(g: Geometry, lba: int, budget: int, mode: Mode) -> None
     assert p.mode is mode
     by_layer_order = plan_session(g, Mode.DUALBLADE, budget, lba)
     if mode is Mode.BASELINE:
-        assert all(k.group == 1 and k.path is Path.PAGECACHE and not k.drop_after_use for k in p.kpus)
-        assert p.direct_kpus() == () and p.extent_blocks == 0 and p.n1 == g.layers
+        assert all(k.group == 1 and k.path is KVPath.PAGECACHE and not k.drop_after_use for k in p.kpus)
+        assert p.direct_kpus() == () and p.extent_blocks == 0 and p.group1_layers == g.layers
     elif mode is Mode.DIRECT:
-        assert p.x_bytes == 0 and p.n1 == 0
-        assert all(k.group == 2 and k.path is Path.DIRECT for k in p.kpus)
+        assert p.group1_limit_bytes == 0 and p.group1_layers == 0
+        assert all(k.group == 2 and k.path is KVPath.DIRECT for k in p.kpus)
     elif mode is Mode.DUALBLADE:
-        assert p.x_bytes == budget
-        assert all(k.path is (Path.PAGECACHE if k.group == 1 else Path.DIRECT) for k in p.kpus)
+        assert p.group1_limit_bytes == budget
+        assert all(k.path is (KVPath.PAGECACHE if k.group == 1 else KVPath.DIRECT) for k in p.kpus)
     else:  # CachePolicy-Only: same split as Dual-Blade, Group 2 stays on the page cache and is dropped
-        assert p.x_bytes == budget and p.n1 == by_layer_order.n1
-        assert all(k.path is Path.PAGECACHE for k in p.kpus)
+        assert p.group1_limit_bytes == budget and p.group1_layers == by_layer_order.group1_layers
+        assert all(k.path is KVPath.PAGECACHE for k in p.kpus)
         assert all(k.drop_after_use == (k.group == 2) for k in p.kpus)
         assert p.direct_kpus() == () and p.group1_bytes == by_layer_order.group1_bytes
     json.dumps(p.to_dict())
@@ -122,10 +122,10 @@ def test_mode_names_and_labels() -> None:
 
 def test_knob_limits() -> None:
     g = Geometry.for_model("opt-1.3b", batch=4, max_tokens=128)
-    with pytest.raises(ValueError, match="knob X"):
-        plan_session(g, Mode.DUALBLADE, GiB, 4096, x_bytes=GiB + 1)
+    with pytest.raises(ValueError, match=r"group1_limit_bytes \(X\) must be an int in \[0, budget_bytes="):
+        plan_session(g, Mode.DUALBLADE, GiB, 4096, group1_limit_bytes=GiB + 1)
     with pytest.raises(ValueError, match="fixes X"):
-        plan_session(g, Mode.DIRECT, GiB, 4096, x_bytes=0)
+        plan_session(g, Mode.DIRECT, GiB, 4096, group1_limit_bytes=0)
     with pytest.raises(ValueError, match="budget"):
         plan_session(g, Mode.DUALBLADE, -1, 4096)
     with pytest.raises(ValueError, match="LBA size"):
@@ -135,7 +135,7 @@ def test_knob_limits() -> None:
 def test_worked_example_plan() -> None:
     g = Geometry.for_model("opt-6.7b", batch=32, max_tokens=544)
     p = plan_session(g, Mode.DUALBLADE, 4 * GiB, 4096)
-    assert p.n1 == 15                                    # floor(4096 MiB / 272 MiB)
+    assert p.group1_layers == 15                                    # floor(4096 MiB / 272 MiB)
     assert p.group1_bytes == 30 * 136 * MiB              # 4080 MiB in Group 1
     assert len(p.direct_kpus()) == 34 and p.extent_blocks == 34 * 34816
     assert p.aligned and p.padding_bytes == 0
@@ -187,10 +187,10 @@ def test_kpu_fill_uses_the_remainder(g: Geometry, budget: int) -> None:
     assert len(fill.group1()) == min(budget // s, 2 * g.layers)
     assert fill.group1_bytes <= budget
     assert {k.tensor_id for k in pair.group1()} <= {k.tensor_id for k in fill.group1()}
-    if budget % (2 * s) >= s and pair.n1 < g.layers:
+    if budget % (2 * s) >= s and pair.group1_layers < g.layers:
         # exactly the case it exists for: one more KPU (the next layer's K) resident
         extra = {k.tensor_id for k in fill.group1()} - {k.tensor_id for k in pair.group1()}
-        assert extra == {2 * pair.n1}
+        assert extra == {2 * pair.group1_layers}
         assert fill.hit_fraction_bound() > pair.hit_fraction_bound()
     else:
         assert fill.group1() == pair.group1()
@@ -201,7 +201,7 @@ def test_worked_example_kpu_fill_gain() -> None:
     g = Geometry.for_model("opt-6.7b", batch=32, max_tokens=544)
     pair = plan_session(g, Mode.DUALBLADE, 2 * GiB, 4096, LayerOrderRanker())
     fill = plan_session(g, Mode.DUALBLADE, 2 * GiB, 4096, KpuFillRanker())
-    assert (pair.n1, len(pair.group1()), pair.group1_bytes) == (7, 14, 1904 * MiB)
+    assert (pair.group1_layers, len(pair.group1()), pair.group1_bytes) == (7, 14, 1904 * MiB)
     assert (len(fill.group1()), fill.group1_bytes) == (15, 2040 * MiB)
     assert fill.hit_fraction_bound() - pair.hit_fraction_bound() == pytest.approx(1 / 64)
 
@@ -218,7 +218,7 @@ class ReverseRanker:
 def test_custom_rankers() -> None:
     g = Geometry(layers=4, batch=1, kv_heads=1, head_dim=1024, dtype_bytes=2, max_tokens=512)   # 1 MiB KPUs
     p = plan_session(g, Mode.DUALBLADE, 4 * MiB, 4096, ReverseRanker())
-    assert [k.layer for k in p.group1()] == [2, 2, 3, 3] and p.ranker == "reverse" and p.n1 == 2
+    assert [k.layer for k in p.group1()] == [2, 2, 3, 3] and p.ranker == "reverse" and p.group1_layers == 2
 
     class Broken:
         name = "broken"
@@ -257,7 +257,7 @@ def test_replan_only_demotes_and_fits(g: Geometry, budget: int, shrink: float, m
             assert new_g1 == {k.tensor_id for k in target.group1()}
         for k in r.demoted:
             assert k.group == 2
-            assert k.path is (Path.DIRECT if mode is Mode.DUALBLADE else Path.PAGECACHE)
+            assert k.path is (KVPath.DIRECT if mode is Mode.DUALBLADE else KVPath.PAGECACHE)
             assert k.drop_after_use == (mode is Mode.CACHEPOLICY)
     assert new.kpu(0).tensor_id == 0
 
@@ -266,7 +266,7 @@ def test_replan_move_bytes() -> None:
     g = Geometry.for_model("opt-6.7b", batch=32, max_tokens=544)
     old = plan_session(g, Mode.DUALBLADE, 4 * GiB, 4096)
     r = replan(old, 3 * GiB)
-    assert (old.n1, r.new.n1) == (15, 11) and len(r.demoted) == 8
+    assert (old.group1_layers, r.new.group1_layers) == (15, 11) and len(r.demoted) == 8
     assert r.move_bytes(520) == 8 * 520 * 256 * KiB      # what is copied at token 520
     assert r.new.extent_blocks == old.extent_blocks + 8 * 34816
     assert old.reserve_blocks == 64 * 34816               # reserve this and demotions always fit

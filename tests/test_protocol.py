@@ -28,6 +28,7 @@ from bladed.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     BadBody,
+    BladedError,
     BusyError,
     ConnectionClosed,
     ErrorCode,
@@ -38,6 +39,7 @@ from bladed.protocol import (
     IncompatibleProtocolError,
     RequestError,
     encode,
+    error_for,
     error_from_reply,
     get_field,
     hello_request,
@@ -103,6 +105,26 @@ def test_reader_rejects_bad_frames() -> None:
     assert reader.read().body == {}  # a bad body does not desynchronise the stream
     a.close()
     b.close()
+
+
+def test_every_error_code_raises_its_exception_and_the_relations_hold() -> None:
+    """The classes made from protocol.ERRORS keep the relations users catch by."""
+    from bladed import protocol
+
+    for code in ErrorCode:
+        err = error_for(code, "m")
+        assert isinstance(err, BladedError) and err.code is code and str(err) == "m"
+    assert type(error_for(ErrorCode.INTERNAL, "m")) is BladedError
+    assert type(error_for(ErrorCode.UNKNOWN_OP, "m")) is protocol.BadRequestError
+    assert type(error_for(ErrorCode.HANDSHAKE_REQUIRED, "m")) is protocol.ProtocolError
+    assert issubclass(protocol.OutOfRangeError, protocol.BadRequestError)
+    assert issubclass(protocol.BadRequestError, ValueError)
+    assert issubclass(protocol.PermissionDeniedError, PermissionError)
+    assert issubclass(protocol.RemoteIOError, OSError)
+    assert issubclass(protocol.DaemonLostError, ConnectionError)
+    assert protocol.NoSuchSessionError.code is ErrorCode.NO_SUCH_SESSION
+    assert protocol.NoSuchSessionError.__module__ == "bladed.protocol"
+    assert {name for name, _, _, _ in protocol.ERRORS} <= set(vars(protocol))   # each importable by its name
 
 
 def test_field_checks_and_error_mapping() -> None:
@@ -412,12 +434,13 @@ def test_the_worst_case_open_session_reply_fits_a_frame() -> None:
     plan = plan_session(geo, "baseline", INT_MAX, 65536)
     assert all(k.path == "pagecache" and k.padded_bytes == INT_MAX + 1 for k in plan.kpus)
     # the budget sample with every string as long as a path may be, every number at its largest
-    sample = BudgetBreakdown(m_avail=INT_MAX, m_max=INT_MAX, m_anon_shmem=INT_MAX, m_star=INT_MAX, n_threads=INT_MAX,
-                             m_pin=INT_MAX, b_pc=INT_MAX, cgroup="/" * 4096, cgroup_version="v" * 4096,
+    sample = BudgetBreakdown(host_available_bytes=INT_MAX, memory_limit_bytes=INT_MAX, anon_shmem_bytes=INT_MAX,
+                             usable_bytes=INT_MAX, copy_threads=INT_MAX, pinned_per_thread_bytes=INT_MAX,
+                             pagecache_budget_bytes=INT_MAX, cgroup="/" * 4096, cgroup_version="v" * 4096,
                              override_bytes=INT_MAX, cap_bytes=INT_MAX, sampled_at=-1.7976931348623157e308,
-                             b_pc_computed=INT_MAX, m_anon=INT_MAX, m_shmem=INT_MAX, m_file=INT_MAX, m_kernel=INT_MAX,
-                             mem_total=INT_MAX, limited=False, m_max_source="/" * 4096, binding="b" * 4096,
-                             reason="r" * 4096)
+                             pagecache_budget_computed_bytes=INT_MAX, anon_bytes=INT_MAX, shmem_bytes=INT_MAX,
+                             file_bytes=INT_MAX, kernel_bytes=INT_MAX, host_total_bytes=INT_MAX, limited=False,
+                             memory_limit_source="/" * 4096, binding="b" * 4096, reason="r" * 4096)
     budget = sample.to_dict() | {"granted_bytes": INT_MAX, "held_by_others_bytes": INT_MAX, "error": "e" * 8192}
     out = Session("ffffffff", Peer(pid=INT_MAX, uid=INT_MAX, gid=INT_MAX), geo, plan, budget, Stats()).open_reply()
     # the layout of an unbound session has no channels: give it the most (io.max_channels <= 64)
@@ -490,6 +513,40 @@ def test_open_session_staging_is_checked_and_descriptors_are_not_leaked(daemon: 
             os.close(fd)
     assert c.call({"op": "status", "id": 3})["ok"]
     assert open_fds(daemon.pid) <= before  # every descriptor that came with a refused request was closed
+    c.close()
+
+
+def test_an_empty_memfd_is_sized_and_sealed_by_the_daemon(daemon: DaemonProcess) -> None:
+    """What the client library sends: the daemon lays the slots out, sizes the memfd and seals it."""
+    c = Raw(daemon.socket_path)
+    fd = os.memfd_create("test-staging", os.MFD_ALLOW_SEALING)
+    try:
+        reply = c.call({"op": "open_session", "id": 1, "geometry": GEOMETRY, "channels": 2}, [fd])
+        layout = reply["layout"]
+        assert (layout["slot_bytes"], layout["slot_stride"], layout["staging_bytes"]) == (SLOT, SLOT, 2 * SLOT)
+        assert os.fstat(fd).st_size == 2 * SLOT
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)                      # the client cannot pull the pages from under the daemon
+        # staging_bytes, when given, is what the empty memfd is sized to
+        bigger = os.memfd_create("test-staging", os.MFD_ALLOW_SEALING)
+        try:
+            reply = c.call({"op": "open_session", "id": 2, "geometry": GEOMETRY, "channels": 1,
+                            "staging_bytes": 3 * SLOT}, [bigger])
+            assert reply["layout"]["staging_bytes"] == os.fstat(bigger).st_size == 3 * SLOT
+        finally:
+            os.close(bigger)
+        # a memfd that cannot be sealed is refused, naming what the daemon needs
+        unsealable = os.memfd_create("test-staging")
+        try:
+            code, message = reply_error(c.call({"op": "open_session", "id": 3, "geometry": GEOMETRY,
+                                                "channels": 1}, [unsealable]))
+            assert code == "bad_request" and "F_SEAL_SHRINK" in message and "empty and not sealed" in message
+        finally:
+            os.close(unsealable)
+    finally:
+        os.close(fd)
     c.close()
 
 
@@ -588,7 +645,8 @@ def test_protocol_doc_lists_every_op_and_error_code() -> None:
     for op in OPS:
         assert f"`{op}`" in doc, op
     for code in ErrorCode:
-        assert f"`{code.value}`" in doc, code
+        # the "Error codes" table names the exception error_for() raises (protocol.ERRORS)
+        assert f"| `{code.value}` | `{type(error_for(code, '')).__name__}`" in doc, code
     assert f"PROTOCOL_VERSION = {PROTOCOL_VERSION}" in doc or f"version {PROTOCOL_VERSION}" in doc
     assert struct.calcsize("<2sBBI") == HEADER.size == 8
     _ = Frame

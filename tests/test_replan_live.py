@@ -27,7 +27,7 @@ from test_daemon import has_data
 from test_faults import assert_clean, oom_kills
 
 from bladed.client import Client, Session
-from bladed.residency.geometry import align_up
+from bladed.sizes import align_up
 
 #: token = 4096 bytes (aligned); 4 layers -> 8 KPUs of 32 tokens
 ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
@@ -73,7 +73,7 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         c.call("connect")
         opened = c.call("open", geometry=ALIGNED)
         sid, ext = opened["session"], opened["extent"]
-        assert opened["plan"]["n1"] == 2 and ext["nblocks"] == 4 * KPU // 4096
+        assert opened["plan"]["group1_layers"] == 2 and ext["nblocks"] == 4 * KPU // 4096
         assert c.call("write_all", seed=1)["paths"] == ["pagecache"] * 4 + ["direct"] * 4
         assert pc_files(tmp) == {"k0", "v0", "k1", "v1"}
 
@@ -89,13 +89,13 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         assert pc_files(tmp) == {"k0", "v0"}
 
         row = session_row(c, sid)
-        assert (row["group1"], row["group2"], row["demoted_kpus"], row["demoted_bytes"]) == (2, 6, 2, 2 * KPU)
+        assert (row["group1_kpus"], row["group2_kpus"], row["demoted_kpus"], row["demoted_bytes"]) == (2, 6, 2, 2 * KPU)
         assert row["pending_demotions"] == 0 and row["demotions_failed"] == 0
         # grown in place, and the journal says so (crash recovery TRIMs all of it)
         assert row["extent"] == {"start": ext["start"], "nblocks": 6 * KPU // 4096}
         assert journal_extents(tmp, sid) == [[ext["start"], 6 * KPU // 4096]]
         stats = c.call("call", op="stats")["reply"]
-        assert stats["replan"]["demoted_kpus"] == 2 and stats["budget"]["held"] == 2 * KPU
+        assert stats["replan"]["demoted_kpus"] == 2 and stats["budget"]["held_bytes"] == 2 * KPU
         m = scrape(UnixHTTPConnection(os.path.join(tmp, "metrics.sock")))
         assert m[("bladed_demoted_kpus_total", ())] == 2 and m[("bladed_demoted_bytes_total", ())] == 2 * KPU
         assert m[("bladed_replans_total", ())] >= 1 and m[("bladed_demotions_failed_total", ())] == 0
@@ -119,7 +119,7 @@ def test_reserved_extent_and_packed_rows(tmp: str) -> None:
         c.call("connect")
         opened = c.call("open", geometry=UNALIGNED, channels=2)
         sid, ext = opened["session"], opened["extent"]
-        assert not opened["plan"]["aligned"] and opened["plan"]["n1"] == 1
+        assert not opened["plan"]["aligned"] and opened["plan"]["group1_layers"] == 1
         assert ext["nblocks"] == 6 * 4           # every KPU reserved: 20 packed 768-byte rows in 4 LBAs each
         assert c.call("write_all", seed=3)["paths"] == ["pagecache"] * 2 + ["direct"] * 4
         # v0 only partly filled: the demotion copies the filled rows
@@ -134,7 +134,7 @@ def test_reserved_extent_and_packed_rows(tmp: str) -> None:
         r = c.call("read_check", layer=0, kind="k", seed=3)
         assert r["path"] == "direct" and r["match"]
         row = session_row(c, sid)
-        assert row["extent"] == ext and row["group1"] == 0 and row["demoted_kpus"] == 2
+        assert row["extent"] == ext and row["group1_kpus"] == 0 and row["demoted_kpus"] == 2
         assert row["demoted_bytes"] == 2 * U_KPU
         assert journal_extents(tmp, sid) == [[ext["start"], ext["nblocks"]]]
         c.call("close")
@@ -162,7 +162,7 @@ def test_cachepolicy_switches_to_drop_after_use_and_direct_never_changes(tmp: st
         assert c.call("read_check", layer=0, kind="k", seed=5)["hit_ratio"] == 1.0
         assert c.call("check_all", seed=5)["bad"] == []
         row = session_row(c, sid)
-        assert (row["group1"], row["demoted_kpus"], row["pagecache_bytes"]) == (2, 2, 8 * KPU)
+        assert (row["group1_kpus"], row["demoted_kpus"], row["pagecache_bytes"]) == (2, 2, 8 * KPU)
         assert session_row(o, other)["demoted_kpus"] == 0
         assert not d.events("replan")[1:] and d.events("replan")[0]["session"] == sid
 
@@ -298,7 +298,7 @@ def test_sighup_demotion_keeps_every_byte(tmp: str, device: tuple[dict[str, Any]
         assert m.more() == {"direct"}
         m.check()
         (row,) = c.sessions()
-        assert (row["group1"], row["demoted_kpus"], row["demotions_failed"], row["pending_demotions"]) == \
+        assert (row["group1_kpus"], row["demoted_kpus"], row["demotions_failed"], row["pending_demotions"]) == \
             (0, len(m.kv), 0, 0)
         assert pc_files(tmp) == set()
         metrics = scrape(UnixHTTPConnection(os.path.join(tmp, "metrics.sock")))
@@ -329,11 +329,11 @@ def test_cgroup_limit_cut_demotes_and_keeps_every_byte(tmp: str, device: tuple[d
             models = open_models(c, [big_aligned, dict(ROW256, max_tokens=128), UNALIGNED])
             held = sum(k["nbytes"] for m in models for k in m.sess.plan["kpus"])
             sample = c.budget()["sample"]
-            assert sample["b_pc"] > held and sample["cgroup"] == cg.path
+            assert sample["pagecache_budget_bytes"] > held and sample["cgroup"] == cg.path
             # leave B_pc ~3 MiB: the two newest sessions (packed rows) give all their KPUs back, the
             # oldest most of its; written-back file pages are what the kernel reclaims to fit the new limit
             os.sync()
-            cut = sample["m_anon_shmem"] + sample["n_threads"] * sample["m_pin"] + (3 << 20)
+            cut = sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (3 << 20)
             cg.set_limit(cut)
 
             demoted = {m.sess.id: wait_demotions(d, m.sess.id) for m in models}
@@ -376,7 +376,7 @@ def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp:
             soft, hard = resource.prlimit(d.pid, resource.RLIMIT_AS)
             resource.prlimit(d.pid, resource.RLIMIT_AS, (vm_bytes(d.pid) + (512 << 10), hard))
             try:
-                cg.set_limit(sample["m_anon_shmem"] + sample["n_threads"] * sample["m_pin"] + (64 << 10))
+                cg.set_limit(sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (64 << 10))
                 names = d.wait_event("replan", session=sid)["demoted"].split(",")
                 assert sorted(names) == sorted(f"{k}{layer}" for layer, k in m.kv)
                 for name in names:
@@ -390,7 +390,7 @@ def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp:
             # nothing moved: every KPU still on the page-cache path with every byte, writes still work
             assert set(m.check().values()) == {"pagecache"}
             (row,) = c.sessions()
-            assert (row["group1"], row["demoted_kpus"], row["demotions_failed"], row["pending_demotions"]) == \
+            assert (row["group1_kpus"], row["demoted_kpus"], row["demotions_failed"], row["pending_demotions"]) == \
                 (len(m.kv), 0, len(m.kv), 0)
             assert row["extent"] is None                 # refused before any LBA was bound
             assert pc_files(tmp) == {f"{k}{layer}" for layer, k in m.kv}

@@ -105,8 +105,8 @@ def status(wait_s: float) -> None:
             ("extents", f"{ext['used_blocks']} blocks used, {ext['free_blocks']} free"),
             ("page cache", d["pagecache_dir"]),
             ("sessions", f"{d['sessions']} open, {d['connections']} connections"),
-            ("budget", f"B_pc {size(d['budget'].get('b_pc'))} ({d['budget'].get('cgroup_version')} "
-                       f"{d['budget'].get('cgroup') or 'host'})"),
+            ("page-cache budget", f"{size(d['budget'].get('pagecache_budget_bytes'))} (B_pc; "
+                                  f"{d['budget'].get('cgroup_version')} {d['budget'].get('cgroup') or 'host'})"),
             ("metrics", d["metrics"] or "off"),
         ])
 
@@ -123,12 +123,12 @@ def sessions() -> None:
         if not rows:
             click.echo("no open sessions")
             return
-        click.echo(f"{'SESSION':<10} {'UID':>6} {'PID':>8} {'MODE':<11} {'CH':>2} {'LAYERS':>6} {'N1':>4} "
+        click.echo(f"{'SESSION':<10} {'UID':>6} {'PID':>8} {'MODE':<11} {'CH':>2} {'LAYERS':>6} {'G1 LAYERS':>9} "
                    f"{'PAGECACHE':>10} {'DIRECT':>10} {'EXTENT':<16} {'OPS':>8}")
         for s in rows:
             ext = f"{s['extent']['start']}+{s['extent']['nblocks']}" if s["extent"] else "-"
             click.echo(f"{s['session']:<10} {s['uid']:>6} {s['pid']:>8} {s['mode']:<11} {s['channels']:>2} "
-                       f"{s['geometry']['layers']:>6} {s['n1']:>4} {size(s['pagecache_bytes']):>10} "
+                       f"{s['geometry']['layers']:>6} {s['group1_layers']:>9} {size(s['pagecache_bytes']):>10} "
                        f"{size(s['direct_bytes']):>10} {ext:<16} {s['ops']:>8}")
 
     emit(data, human)
@@ -153,7 +153,8 @@ def _stats_table(cur: dict[str, Any], prev: dict[str, Any] | None) -> None:
                      f"{cur['sessions_reclaimed']} reclaimed after a crash)"),
         ("extents", f"{cur['extents']['used_blocks']} blocks used, {cur['extents']['free_blocks']} free"),
         ("trimmed", size(cur["trimmed_bytes"])),
-        ("B_pc", f"{size(cur['budget'].get('b_pc'))} (held by sessions: {size(cur['budget'].get('held'))})")])
+        ("page-cache budget", f"{size(cur['budget'].get('pagecache_budget_bytes'))} (B_pc; held by sessions: "
+                              f"{size(cur['budget'].get('held_bytes'))})")])
 
 
 @click.command(cls=Command)
@@ -200,24 +201,27 @@ def budget() -> None:
     def human(d: dict[str, Any]) -> None:
         s = d["sample"]
         kv([
-            ("M_avail", f"{size(s.get('m_avail'))}  (host MemAvailable)"),
-            ("M_max", f"{size(s.get('m_max'))}  ({s.get('m_max_source')})"),
-            ("M_anon+shmem", f"{size(s.get('m_anon_shmem'))}  (anon {size(s.get('m_anon'))}, "
-                             f"shmem {size(s.get('m_shmem'))})"),
-            ("M*", f"{size(s.get('m_star'))}  = min(M_avail, M_max - M_anon+shmem)  [Eq. 1, {s.get('binding')} binds]"),
-            ("N_threads x M_pin", f"{s.get('n_threads')} x {size(s.get('m_pin'))}  (staging of open sessions)"),
-            ("B_pc", f"{size(s.get('b_pc'))}  = max(0, M* - N_threads x M_pin)  [Eq. 2]"
-                     + (f", override {size(d['override_bytes'])}" if d["override_bytes"] is not None else "")
-                     + (f", cap {size(d['cap_bytes'])}" if d["cap_bytes"] is not None else "")),
+            ("host available (M_avail)", f"{size(s.get('host_available_bytes'))}  (host MemAvailable)"),
+            ("memory limit (M_max)", f"{size(s.get('memory_limit_bytes'))}  ({s.get('memory_limit_source')})"),
+            ("anon + shmem (M_anon+shmem)", f"{size(s.get('anon_shmem_bytes'))}  (anon {size(s.get('anon_bytes'))}, "
+                                            f"shmem {size(s.get('shmem_bytes'))})"),
+            ("usable (M*)", f"{size(s.get('usable_bytes'))}  = min(M_avail, M_max - M_anon+shmem)  "
+                            f"[Eq. 1, {s.get('binding')} binds]"),
+            ("pinned (N_threads x M_pin)", f"{s.get('copy_threads')} x {size(s.get('pinned_per_thread_bytes'))}  "
+                                           "(staging of open sessions)"),
+            ("page-cache budget (B_pc)", f"{size(s.get('pagecache_budget_bytes'))}  = max(0, M* - N_threads x M_pin)  "
+                                         "[Eq. 2]"
+             + (f", override {size(d['override_bytes'])}" if d["override_bytes"] is not None else "")
+             + (f", cap {size(d['cap_bytes'])}" if d["cap_bytes"] is not None else "")),
             ("held by sessions", size(d["held_bytes"])),
             ("available", size(d["available_bytes"])),
             ("cgroup", f"{s.get('cgroup_version')} {s.get('cgroup') or 'host'}"),
-            ("page cache now", size(s.get("m_file"))),
+            ("page cache now", size(s.get("file_bytes"))),
         ])
         for x in d["sessions"]:
-            click.echo(f"session {x['session']}: {x['channels']} x M_pin {size(x['m_pin'])}, B_pc granted "
-                       f"{size(x['b_pc'])}, X {size(x['x_bytes'])}, n1 {x['n1']} layers, "
-                       f"Group 1 {size(x['group1_bytes'])}")
+            click.echo(f"session {x['session']}: {x['channels']} x M_pin {size(x['pinned_per_thread_bytes'])}, "
+                       f"budget granted {size(x['budget_bytes'])}, Group 1 limit X {size(x['group1_limit_bytes'])}, "
+                       f"{x['group1_layers']} whole layers in Group 1 ({size(x['group1_bytes'])})")
 
     emit(data, human)
 

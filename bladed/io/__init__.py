@@ -10,8 +10,8 @@ from bladed.io.errors import (
     AlignmentError,
     BladedIOError,
     NVMeStatusError,
-    OutOfRangeError,
     ShortTransferError,
+    TargetRangeError,
 )
 from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer
 
@@ -45,10 +45,10 @@ __all__ = [
     "HugePages",
     "NVMeStatusError",
     "Op",
-    "OutOfRangeError",
     "Ring",
     "ShortTransferError",
     "StagingBuffer",
+    "TargetRangeError",
     "Transfer",
     "open_device",
 ]

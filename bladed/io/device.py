@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from bladed._uring import ffi, lib
 from bladed.io.chunking import chunk_bytes
-from bladed.io.errors import AlignmentError, BladedIOError, OutOfRangeError
+from bladed.io.errors import AlignmentError, BladedIOError, TargetRangeError
 from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer, buffer_address
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class ExtentDevice(abc.ABC):
     def check_range(self, slba: int, nbytes: int) -> None:
         """Raise unless ``[slba, slba + nbytes)`` is LBA aligned and inside the device."""
         if slba < 0 or nbytes < 0:
-            raise OutOfRangeError(errno.EINVAL, f"negative LBA or length (slba={slba}, nbytes={nbytes})")
+            raise TargetRangeError(errno.EINVAL, f"negative LBA or length (slba={slba}, nbytes={nbytes})")
         if nbytes % self.lba_size:
             raise AlignmentError(
                 errno.EINVAL,
@@ -88,7 +88,7 @@ class ExtentDevice(abc.ABC):
             )
         end = slba + nbytes // self.lba_size
         if end > self.capacity_blocks:
-            raise OutOfRangeError(
+            raise TargetRangeError(
                 errno.ERANGE,
                 f"LBA range [{slba}, {end}) is past the end of {self.path} ({self.capacity_blocks} blocks)",
             )

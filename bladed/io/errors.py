@@ -14,8 +14,8 @@ class AlignmentError(BladedIOError, ValueError):
     """An address, offset or length is not aligned as the device requires."""
 
 
-class OutOfRangeError(BladedIOError, ValueError):
-    """A request reaches past the end of the device or of the region."""
+class TargetRangeError(BladedIOError, ValueError):
+    """A request reaches outside its target: past the end of the device, region or file (or below 0)."""
 
 
 class InvalidRequestError(BladedIOError, ValueError):

@@ -22,10 +22,13 @@ from typing import Any
 from bladed._uring import ffi, lib
 from bladed.io.device import ExtentDevice
 from bladed.io.errors import BladedIOError, NVMeStatusError, errno_error
-from bladed.io.uring import HUGE_PAGE_SIZE, PAGE_SIZE, StagingBuffer
+from bladed.io.uring import HUGE_PAGE_SIZE, StagingBuffer
+from bladed.sizes import PAGE_SIZE
 
 CNS_NAMESPACE = 0
 CNS_CONTROLLER = 1
+#: the controller's memory page (CAP.MPSMIN, 4 KiB; Linux's NVME_CTRL_PAGE_SIZE): the unit of MDTS
+NVME_PAGE_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class NamespaceIdentity:
 
     @property
     def mdts_bytes(self) -> int:
-        return 0 if self.mdts == 0 else (1 << self.mdts) * PAGE_SIZE
+        return 0 if self.mdts == 0 else (1 << self.mdts) * NVME_PAGE_SIZE
 
     @property
     def deallocate_reads_zeroes(self) -> bool:
@@ -108,7 +111,7 @@ def transfer_limits(ident: NamespaceIdentity, sysfs_block: str | None) -> tuple[
             limits.append(hw)
         segments = _read_int(os.path.join(sysfs_block, "queue", "max_segments"), segments)
     base = min(limits) if limits else 1 << 20
-    # one segment per 4 KiB page; a buffer not page aligned touches one more page
+    # one segment per page; a buffer not page aligned touches one more page
     page_cap = (segments - 1) * PAGE_SIZE
     huge_cap = max(segments - 1, 1) * HUGE_PAGE_SIZE
     return min(base, page_cap), min(base, huge_cap)

@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 
 from bladed._uring import ffi, lib
-from bladed.io.errors import BladedIOError, OutOfRangeError, errno_error
+from bladed.io.errors import BladedIOError, TargetRangeError, errno_error
 from bladed.io.uring import StagingBuffer
+from bladed.sizes import PAGE_SIZE, align_up
 
 log = logging.getLogger(__name__)
 
-PAGE_SIZE = mmap.PAGESIZE
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2
 SYNC_FILE_RANGE_WAIT_AFTER = 4
@@ -150,7 +150,7 @@ class PageCacheFile:
 
     def _bounds(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise OutOfRangeError(errno.ERANGE,
+            raise TargetRangeError(errno.ERANGE,
                                   f"{self.path}: range [{offset}, {offset + nbytes}) outside {self.nbytes} bytes")
 
     def _enter(self) -> None:
@@ -257,7 +257,7 @@ class PageCacheFile:
         n = self.nbytes - offset if nbytes is None else nbytes
         self._bounds(offset, n)
         start = offset - offset % PAGE_SIZE
-        end = min(self.nbytes, -(-(offset + n) // PAGE_SIZE) * PAGE_SIZE)
+        end = min(self.nbytes, align_up(offset + n, PAGE_SIZE))
         if end <= start:
             return
         with self._use():

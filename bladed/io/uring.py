@@ -22,14 +22,15 @@ from bladed.io.errors import (
     BladedIOError,
     InvalidRequestError,
     NVMeStatusError,
-    OutOfRangeError,
     ShortTransferError,
+    TargetRangeError,
     errno_error,
 )
+from bladed.sizes import PAGE_SIZE, align_up
 
 log = logging.getLogger(__name__)
 
-PAGE_SIZE = 4096
+#: a 2 MiB huge page
 HUGE_PAGE_SIZE = 2 << 20
 
 
@@ -111,7 +112,7 @@ class StagingBuffer:
     def __init__(self, nbytes: int) -> None:
         if nbytes <= 0:
             raise ValueError(f"staging buffer size must be positive, got {nbytes}")
-        size = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+        size = align_up(nbytes, PAGE_SIZE)
         how = ffi.new("int *")
         ptr = lib.bd_staging_alloc(size, how)
         if ptr == ffi.NULL:
@@ -192,7 +193,7 @@ def request_error(why: int, target: Any, op: int, slba: int, nbytes: int, what: 
             space = "the 64-bit LBA space (slba + LBAs must be at most 2^64 - 1)"
         else:
             space = f"63-bit byte offsets (with {lba}-byte LBAs, slba + LBAs must be at most {(2**63 - 1) >> shift})"
-        return OutOfRangeError(err, f"{what}: a range of {nbytes >> shift} LBAs from LBA {slba} ends past {space}")
+        return TargetRangeError(err, f"{what}: a range of {nbytes >> shift} LBAs from LBA {slba} ends past {space}")
     if why == lib.BD_BAD_BUFFER:
         return InvalidRequestError(err, f"{what}: the buffer address is NULL; pass a StagingBuffer or a "
                                         f"writable buffer")

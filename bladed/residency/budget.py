@@ -44,33 +44,42 @@ _MIN_GAP_S = 0.2                               # pressure events closer than thi
 
 @dataclass(frozen=True)
 class BudgetBreakdown:
-    """Every term of Eq. 1-2 for one sample, plus what decided them."""
+    """Every term of Eq. 1-2 for one sample, plus what decided them.
 
-    m_avail: int                 # host MemAvailable
-    m_max: int                   # cgroup limit (min over ancestors), or host MemTotal if unlimited
-    m_anon_shmem: int            # anon + shmem charged to the cgroup
-    m_star: int                  # Eq. 1
-    n_threads: int
-    m_pin: int
-    b_pc: int                    # Eq. 2, after the operator's override / cap
+    The fields (and the keys of :meth:`to_dict`, on the wire) are named for
+    what they are; the paper's symbol of each is in its comment.
+    """
+
+    host_available_bytes: int    # M_avail: host MemAvailable
+    memory_limit_bytes: int      # M_max: cgroup limit (min over ancestors), or host MemTotal if unlimited
+    anon_shmem_bytes: int        # M_anon+shmem: anon + shmem charged to the cgroup
+    usable_bytes: int            # M* (Eq. 1)
+    copy_threads: int            # N_threads (Eq. 2)
+    pinned_per_thread_bytes: int  # M_pin (Eq. 2): the staging each copy thread pins
+    pagecache_budget_bytes: int  # B_pc (Eq. 2), after the operator's override / cap
     cgroup: str                  # cgroup directory ("" if none)
     cgroup_version: str          # "v1" | "v2" | "none"
     override_bytes: int | None
     cap_bytes: int | None
     sampled_at: float            # time.time()
-    b_pc_computed: int = 0       # Eq. 2 before override / cap
-    m_anon: int = 0
-    m_shmem: int = 0
-    m_file: int = 0              # page cache now charged (shmem excluded): what B_pc is compared with
-    m_kernel: int | None = None  # kernel memory charged (not part of Eq. 1; for diagnosis)
-    mem_total: int = 0
+    pagecache_budget_computed_bytes: int = 0  # B_pc (Eq. 2) before override / cap
+    anon_bytes: int = 0
+    shmem_bytes: int = 0
+    file_bytes: int = 0          # page cache now charged (shmem excluded): what B_pc is compared with
+    kernel_bytes: int | None = None  # kernel memory charged (not part of Eq. 1; for diagnosis)
+    host_total_bytes: int = 0    # host MemTotal
     limited: bool = False        # True if a cgroup limit (not MemTotal) gave M_max
-    m_max_source: str = ""
-    binding: str = ""            # "m_avail" or "cgroup": which side of the min() of Eq. 1 won
+    memory_limit_source: str = ""  # the file that gave M_max, or "host MemTotal"
+    binding: str = ""            # "host_available" or "cgroup": which side of the min() of Eq. 1 won
     reason: str = "manual"       # what triggered the sample: manual | periodic | pressure
 
+    @property
+    def pinned_bytes(self) -> int:
+        """``N_threads * M_pin`` (Eq. 2): the staging memory the sample accounts for."""
+        return self.copy_threads * self.pinned_per_thread_bytes
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"pinned_bytes": self.pinned_bytes}
 
     def describe(self) -> str:
         """One line for logs and ``bladectl``."""
@@ -78,12 +87,12 @@ class BudgetBreakdown:
         extra = ""
         if self.override_bytes is not None:
             extra = f" (override {self.override_bytes / mib:.0f} MiB)"
-        elif self.cap_bytes is not None and self.b_pc < self.b_pc_computed:
+        elif self.cap_bytes is not None and self.pagecache_budget_bytes < self.pagecache_budget_computed_bytes:
             extra = f" (capped at {self.cap_bytes / mib:.0f} MiB)"
-        return (f"B_pc={self.b_pc / mib:.0f} MiB{extra} = max(0, M*={self.m_star / mib:.0f} - "
-                f"{self.n_threads}x{self.m_pin / mib:.0f}) ; M* = min(M_avail={self.m_avail / mib:.0f}, "
-                f"M_max={self.m_max / mib:.0f} - M_anon+shmem={self.m_anon_shmem / mib:.0f}) MiB "
-                f"[{self.cgroup_version} {self.cgroup or 'host'}]")
+        return (f"B_pc={self.pagecache_budget_bytes / mib:.0f} MiB{extra} = max(0, M*={self.usable_bytes / mib:.0f} - "
+                f"{self.copy_threads}x{self.pinned_per_thread_bytes / mib:.0f}) ; "
+                f"M* = min(M_avail={self.host_available_bytes / mib:.0f}, M_max={self.memory_limit_bytes / mib:.0f} - "
+                f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f}) MiB [{self.cgroup_version} {self.cgroup or 'host'}]")
 
 
 SampleCallback = Callable[[BudgetBreakdown], object]
@@ -106,20 +115,21 @@ class Budgeter:
     budget; ``cap_bytes`` bounds it.  Both leave the other terms reported.
     """
 
-    def __init__(self, n_threads: int, m_pin: int, override_bytes: int | None = None,
+    def __init__(self, copy_threads: int, pinned_per_thread_bytes: int, override_bytes: int | None = None,
                  cap_bytes: int | None = None, cgroup_path: str | None = None, pid: int | None = None, *,
                  proc_root: str = "/proc", mem_available: Callable[[], int] | None = None,
                  mem_total: Callable[[], int] | None = None, hysteresis_bytes: int = 32 << 20,
                  pressure_level: str = "medium") -> None:
-        if n_threads < 0 or m_pin < 0:
-            raise ValueError(f"n_threads and m_pin must be >= 0, got {n_threads} and {m_pin}")
+        if copy_threads < 0 or pinned_per_thread_bytes < 0:
+            raise ValueError(f"copy_threads and pinned_per_thread_bytes must be >= 0, got {copy_threads} and "
+                             f"{pinned_per_thread_bytes}")
         for name, v in (("override_bytes", override_bytes), ("cap_bytes", cap_bytes)):
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
         if pressure_level not in ("low", "medium", "critical"):
             raise ValueError(f"pressure_level must be low, medium or critical, got {pressure_level!r}")
-        self.n_threads = n_threads
-        self.m_pin = m_pin
+        self.copy_threads = copy_threads                        # N_threads (Eq. 2)
+        self.pinned_per_thread_bytes = pinned_per_thread_bytes  # M_pin (Eq. 2)
         self.override_bytes = override_bytes
         self.cap_bytes = cap_bytes
         self.cgroup_path = cgroup_path
@@ -154,20 +164,21 @@ class Budgeter:
         m_anon_shmem = reading.anon + reading.shmem
         cg_side = m_max - m_anon_shmem
         m_star = min(m_avail, cg_side)                                     # Eq. 1
-        computed = max(0, m_star - self.n_threads * self.m_pin)            # Eq. 2
+        computed = max(0, m_star - self.copy_threads * self.pinned_per_thread_bytes)  # Eq. 2
         b_pc = computed
         if self.override_bytes is not None:
             b_pc = self.override_bytes
         elif self.cap_bytes is not None:
             b_pc = min(b_pc, self.cap_bytes)
         b = BudgetBreakdown(
-            m_avail=m_avail, m_max=m_max, m_anon_shmem=m_anon_shmem, m_star=m_star,
-            n_threads=self.n_threads, m_pin=self.m_pin, b_pc=b_pc, cgroup=info.path,
-            cgroup_version=info.version, override_bytes=self.override_bytes, cap_bytes=self.cap_bytes,
-            sampled_at=time.time(), b_pc_computed=computed, m_anon=reading.anon, m_shmem=reading.shmem,
-            m_file=reading.file, m_kernel=reading.kernel, mem_total=mem_total, limited=limited,
-            m_max_source=reading.limit_source if limited else "host MemTotal",
-            binding="m_avail" if m_avail <= cg_side else "cgroup", reason=reason,
+            host_available_bytes=m_avail, memory_limit_bytes=m_max, anon_shmem_bytes=m_anon_shmem,
+            usable_bytes=m_star, copy_threads=self.copy_threads, pinned_per_thread_bytes=self.pinned_per_thread_bytes,
+            pagecache_budget_bytes=b_pc, cgroup=info.path, cgroup_version=info.version,
+            override_bytes=self.override_bytes, cap_bytes=self.cap_bytes, sampled_at=time.time(),
+            pagecache_budget_computed_bytes=computed, anon_bytes=reading.anon, shmem_bytes=reading.shmem,
+            file_bytes=reading.file, kernel_bytes=reading.kernel, host_total_bytes=mem_total, limited=limited,
+            memory_limit_source=reading.limit_source if limited else "host MemTotal",
+            binding="host_available" if m_avail <= cg_side else "cgroup", reason=reason,
         )
         with self._lock:
             self._last = b
@@ -180,10 +191,10 @@ class Budgeter:
             return self._last
 
     @property
-    def b_pc(self) -> int:
-        """The current budget (samples once if never sampled)."""
+    def pagecache_budget_bytes(self) -> int:
+        """The current budget, ``B_pc`` (samples once if never sampled)."""
         last = self.last
-        return (last if last is not None else self.sample()).b_pc
+        return (last if last is not None else self.sample()).pagecache_budget_bytes
 
     # -- the re-sampling thread ------------------------------------------------------
     def start(self, interval_s: float = 5.0, on_change: SampleCallback | None = None, *,
@@ -287,7 +298,7 @@ class Budgeter:
         for s in srcs:
             poller.register(s.fd, s.events)
             by_fd[s.fd] = s
-        reported = first.b_pc
+        reported = first.pagecache_budget_bytes
         last_sample = time.monotonic()
         next_due = last_sample + interval_s
         try:
@@ -325,15 +336,17 @@ class Budgeter:
                 next_due = last_sample + interval_s
                 if on_sample is not None:
                     on_sample(b)
-                if on_change is not None and abs(b.b_pc - reported) >= self.hysteresis_bytes:
-                    previous, reported = reported, b.b_pc
+                if on_change is not None and abs(b.pagecache_budget_bytes - reported) >= self.hysteresis_bytes:
+                    previous, reported = reported, b.pagecache_budget_bytes
                     self.stats["changes"] += 1
                     # routine drift of MemAvailable is a DEBUG line; a move on memory pressure is news
                     log.log(logging.DEBUG if reason == "periodic" else logging.INFO, "budget changed (%s)", reason,
-                            extra=fields(b_pc=b.b_pc, previous_b_pc=previous, m_star=b.m_star, m_avail=b.m_avail,
-                                         m_max=b.m_max, m_anon_shmem=b.m_anon_shmem,
-                                         pinned=b.n_threads * b.m_pin, binding=b.binding,
-                                         cgroup=f"{b.cgroup_version}:{b.cgroup or 'host'}"))
+                            extra=fields(pagecache_budget_bytes=b.pagecache_budget_bytes,
+                                         previous_pagecache_budget_bytes=previous, usable_bytes=b.usable_bytes,
+                                         host_available_bytes=b.host_available_bytes,
+                                         memory_limit_bytes=b.memory_limit_bytes,
+                                         anon_shmem_bytes=b.anon_shmem_bytes, pinned_bytes=b.pinned_bytes,
+                                         binding=b.binding, cgroup=f"{b.cgroup_version}:{b.cgroup or 'host'}"))
                     on_change(b)
         except Exception:
             log.exception("budget thread failed")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bladed.residency.planner import KPU, Path, Plan
+from bladed.residency.planner import KPU, KVPath, Plan
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class ExtentMap:
 
     def add(self, kpu: KPU) -> tuple[int, int]:
         """Bind one more KPU after the last (a live demotion from Group 1)."""
-        if kpu.path is not Path.DIRECT:
+        if kpu.path is not KVPath.DIRECT:
             raise ValueError(f"tensor {kpu.tensor_id} is not on the NVMe-direct path")
         with self._lock:
             if kpu.tensor_id in self._entries:

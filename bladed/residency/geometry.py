@@ -16,8 +16,15 @@ MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
     "opt-13b": (40, 40, 128),
 }
 
-_DTYPE_SIZES = (1, 2, 4, 8)
-PAGE_SIZE = 4096
+#: bytes per element of a dtype, by name: a geometry's ``dtype_bytes`` for that dtype (:func:`dtype_bytes`)
+DTYPE_BYTES: dict[str, int] = {
+    "float8": 1, "fp8": 1,
+    "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
+    "float32": 4, "fp32": 4, "float": 4,
+    "float64": 8, "fp64": 8,
+}
+#: the element sizes a geometry may have
+_DTYPE_SIZES = tuple(sorted(set(DTYPE_BYTES.values())))
 #: the two tensors of a layer's KV cache
 KINDS = ("k", "v")
 
@@ -37,9 +44,13 @@ def tensor_of(tid: int) -> tuple[int, str]:
     return tid // 2, KINDS[tid % 2]
 
 
-def align_up(n: int, unit: int) -> int:
-    """The smallest multiple of ``unit`` that is >= ``n``."""
-    return -(-n // unit) * unit
+def dtype_bytes(dtype: object) -> int:
+    """Bytes per element of ``dtype``: a name of :data:`DTYPE_BYTES` (``"fp16"``), or any object whose
+    ``str()`` ends in one (``torch.float16``, a numpy dtype); ValueError naming the known ones otherwise."""
+    try:
+        return DTYPE_BYTES[str(dtype).rsplit(".", 1)[-1].lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known are {', '.join(DTYPE_BYTES)}") from None
 
 
 def check_lba_size(lba_size: int) -> int:

@@ -20,6 +20,10 @@ does not (a prefix, as in Algorithm 1).  The default :class:`LayerOrderRanker`
 yields the pairs ``(K_i, V_i)`` in layer order, which is exactly
 ``n1 = min(floor(X / (2 S_kpu)), L)`` with layers ``1..n1`` in Group 1.
 
+A :class:`Plan` names these by what they are: ``X`` is its
+``group1_limit_bytes``, ``n1`` its ``group1_layers`` and ``B_pc`` (as granted
+to the session) its ``budget_bytes``.
+
 Layers are numbered from 0 here (the paper's layer ``i`` is our ``i - 1``);
 tensor ids come from :func:`bladed.residency.geometry.tensor_id`
 (``2 * layer + (kind == "v")``), which is also the order in which a decode
@@ -35,7 +39,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from bladed.residency.geometry import PAGE_SIZE, Geometry, align_up, check_lba_size, tensor_id, tensor_of
+from bladed.residency.geometry import Geometry, check_lba_size, tensor_id, tensor_of
+from bladed.sizes import PAGE_SIZE, align_up
 
 
 class Mode(enum.StrEnum):
@@ -66,7 +71,7 @@ class Mode(enum.StrEnum):
             ) from None
 
 
-class Path(enum.StrEnum):
+class KVPath(enum.StrEnum):
     """The I/O path a KPU is served on."""
 
     PAGECACHE = "pagecache"
@@ -90,7 +95,7 @@ class KPU:
     group: int
     nbytes: int
     padded_bytes: int
-    path: Path = Path.PAGECACHE
+    path: KVPath = KVPath.PAGECACHE
     drop_after_use: bool = False
 
     def __post_init__(self) -> None:
@@ -203,12 +208,12 @@ class Plan:
 
     geometry: Geometry
     mode: Mode
-    x_bytes: int                   # the knob X actually used
-    n1: int                        # layers with both K and V in Group 1 (Algorithm 1's n1)
+    group1_limit_bytes: int        # the knob X actually used: page-cache bytes Group 1 may fill (Algorithm 1)
+    group1_layers: int             # layers with both K and V in Group 1 (Algorithm 1's n1)
     kpus: tuple[KPU, ...]          # by tensor id
     lba_size: int
     padding_bytes: int             # bytes of padding on the LBA extent (direct-path KPUs' last LBAs)
-    budget_bytes: int = 0          # the B_pc the plan was made for
+    budget_bytes: int = 0          # the page-cache budget granted to the session: its share of B_pc (Eq. 2)
     ranker: str = LayerOrderRanker.name
     _by_id: dict[int, KPU] = field(init=False, repr=False, compare=False)
 
@@ -225,11 +230,11 @@ class Plan:
 
     def direct_kpus(self) -> tuple[KPU, ...]:
         """KPUs that need LBA extents: Group 2 in ``direct``/``dualblade``, none otherwise."""
-        return tuple(k for k in self.kpus if k.path is Path.DIRECT)
+        return tuple(k for k in self.kpus if k.path is KVPath.DIRECT)
 
     def pagecache_kpus(self) -> tuple[KPU, ...]:
         """KPUs served through page-cache files (Group 1, plus Group 2 in ``baseline``/``cachepolicy``)."""
-        return tuple(k for k in self.kpus if k.path is Path.PAGECACHE)
+        return tuple(k for k in self.kpus if k.path is KVPath.PAGECACHE)
 
     def kpu(self, tensor_id: int) -> KPU:
         try:
@@ -240,7 +245,7 @@ class Plan:
     @property
     def group1_bytes(self) -> int:
         """Page-cache footprint the plan keeps resident (what it charges to ``B_pc``)."""
-        return sum(k.pagecache_bytes for k in self.kpus if k.path is Path.PAGECACHE and not k.drop_after_use)
+        return sum(k.pagecache_bytes for k in self.kpus if k.path is KVPath.PAGECACHE and not k.drop_after_use)
 
     @property
     def direct_bytes(self) -> int:
@@ -278,8 +283,8 @@ class Plan:
             "ranker": self.ranker,
             "geometry": self.geometry.to_dict(),
             "budget_bytes": self.budget_bytes,
-            "x_bytes": self.x_bytes,
-            "n1": self.n1,
+            "group1_limit_bytes": self.group1_limit_bytes,
+            "group1_layers": self.group1_layers,
             "lba_size": self.lba_size,
             "aligned": self.aligned,
             "padding_bytes": self.padding_bytes,
@@ -299,12 +304,12 @@ def whole_layers(tensor_ids: Iterable[int], layers: int) -> int:
     return sum(1 for i in range(layers) if tensor_id(i, "k") in ids and tensor_id(i, "v") in ids)
 
 
-def _admit(units: Iterable[tuple[int, ...]], x_bytes: int, unit_bytes: int) -> set[int]:
+def _admit(units: Iterable[tuple[int, ...]], limit_bytes: int, unit_bytes: int) -> set[int]:
     admitted: set[int] = set()
     used = 0
     for unit in units:
         cost = len(unit) * unit_bytes
-        if used + cost > x_bytes:
+        if used + cost > limit_bytes:
             break
         used += cost
         admitted.update(unit)
@@ -312,10 +317,10 @@ def _admit(units: Iterable[tuple[int, ...]], x_bytes: int, unit_bytes: int) -> s
 
 
 def plan_session(geometry: Geometry, mode: Mode | str, budget_bytes: int, lba_size: int,
-                 ranker: Ranker | str | None = None, *, x_bytes: int | None = None) -> Plan:
+                 ranker: Ranker | str | None = None, *, group1_limit_bytes: int | None = None) -> Plan:
     """Algorithm 1: split a session's KPUs between the page-cache and the NVMe-direct path.
 
-    ``budget_bytes`` is ``B_pc`` (Eq. 2) as granted to this session; ``x_bytes``
+    ``budget_bytes`` is ``B_pc`` (Eq. 2) as granted to this session; ``group1_limit_bytes``
     sets the knob ``X`` explicitly (it must lie in ``[0, budget_bytes]``; default
     ``B_pc`` for ``cachepolicy``/``dualblade``; ``direct`` fixes X = 0 and
     ``baseline`` admits everything).
@@ -331,13 +336,13 @@ def plan_session(geometry: Geometry, mode: Mode | str, budget_bytes: int, lba_si
 
     unit_bytes = align_up(geometry.kpu_bytes, PAGE_SIZE)   # S_kpu as the page cache holds it
     if mode is Mode.BASELINE or mode is Mode.DIRECT:
-        if x_bytes is not None:
-            raise ValueError(f"mode {mode.value!r} fixes X; do not pass x_bytes")
+        if group1_limit_bytes is not None:
+            raise ValueError(f"mode {mode.value!r} fixes X; do not pass group1_limit_bytes")
         x = 2 * geometry.layers * unit_bytes if mode is Mode.BASELINE else 0
     else:
-        x = budget_bytes if x_bytes is None else x_bytes
+        x = budget_bytes if group1_limit_bytes is None else group1_limit_bytes
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= budget_bytes:
-            raise ValueError(f"knob X must be an int in [0, B_pc={budget_bytes}], got {x!r}")
+            raise ValueError(f"group1_limit_bytes (X) must be an int in [0, budget_bytes={budget_bytes}], got {x!r}")
     admitted = _admit(units, x, unit_bytes)
 
     padded = align_up(geometry.kpu_bytes, lba_size)   # the packed layout: rows back to back, whole LBAs
@@ -345,15 +350,15 @@ def plan_session(geometry: Geometry, mode: Mode | str, budget_bytes: int, lba_si
     for t in range(2 * geometry.layers):
         group = 1 if t in admitted else 2
         on_pc = group == 1 or mode in (Mode.BASELINE, Mode.CACHEPOLICY)
-        path = Path.PAGECACHE if on_pc else Path.DIRECT
+        path = KVPath.PAGECACHE if on_pc else KVPath.DIRECT
         layer, kind = tensor_of(t)
         kpus.append(KPU(layer=layer, kind=kind, tensor_id=t, group=group, nbytes=geometry.kpu_bytes,
                         padded_bytes=padded, path=path,
                         drop_after_use=(mode is Mode.CACHEPOLICY and group == 2)))
     n1 = whole_layers(admitted, geometry.layers)
-    padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is Path.DIRECT)
-    return Plan(geometry=geometry, mode=mode, x_bytes=x, n1=n1, kpus=tuple(kpus), lba_size=lba_size,
-                padding_bytes=padding, budget_bytes=budget_bytes, ranker=rk.name)
+    padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is KVPath.DIRECT)
+    return Plan(geometry=geometry, mode=mode, group1_limit_bytes=x, group1_layers=n1, kpus=tuple(kpus),
+                lba_size=lba_size, padding_bytes=padding, budget_bytes=budget_bytes, ranker=rk.name)
 
 
 # -- re-planning ---------------------------------------------------------------
@@ -387,7 +392,7 @@ def replan(plan: Plan, budget_bytes: int, ranker: Ranker | str | None = None) ->
 
     Only whole KPUs move, only from Group 1 to Group 2, and only as far as
     needed: the new Group 1 is the ranker's admission prefix for
-    ``X = min(plan.x_bytes, budget_bytes)``, intersected with the old Group 1.
+    ``X = min(plan.group1_limit_bytes, budget_bytes)``, intersected with the old Group 1.
     ``baseline`` and ``direct`` plans never change.  In ``dualblade`` demoted
     KPUs go to the NVMe-direct path (append them to the session's extent map);
     in ``cachepolicy`` they stay on the page-cache path and are dropped after use.
@@ -396,22 +401,22 @@ def replan(plan: Plan, budget_bytes: int, ranker: Ranker | str | None = None) ->
         return Replan(old=plan, new=plan, demoted=())
     rk = get_ranker(plan.ranker if ranker is None else ranker)
     target = plan_session(plan.geometry, plan.mode, max(0, budget_bytes), plan.lba_size, rk,
-                          x_bytes=min(plan.x_bytes, max(0, budget_bytes)))
+                          group1_limit_bytes=min(plan.group1_limit_bytes, max(0, budget_bytes)))
     keep = {k.tensor_id for k in target.group1()} & {k.tensor_id for k in plan.group1()}
     kpus = []
     demoted = []
     for k in plan.kpus:
         if k.group == 1 and k.tensor_id not in keep:
-            nk = replace(k, group=2, path=Path.DIRECT if plan.mode is Mode.DUALBLADE else Path.PAGECACHE,
+            nk = replace(k, group=2, path=KVPath.DIRECT if plan.mode is Mode.DUALBLADE else KVPath.PAGECACHE,
                          drop_after_use=plan.mode is Mode.CACHEPOLICY)
             demoted.append(nk)
             kpus.append(nk)
         else:
             kpus.append(k)
     n1 = whole_layers(keep, plan.geometry.layers)
-    padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is Path.DIRECT)
-    new = replace(plan, x_bytes=target.x_bytes, n1=n1, kpus=tuple(kpus), padding_bytes=padding,
-                  budget_bytes=budget_bytes, ranker=rk.name)
+    padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is KVPath.DIRECT)
+    new = replace(plan, group1_limit_bytes=target.group1_limit_bytes, group1_layers=n1, kpus=tuple(kpus),
+                  padding_bytes=padding, budget_bytes=budget_bytes, ranker=rk.name)
     return Replan(old=plan, new=new, demoted=tuple(demoted))
 
 
@@ -430,9 +435,10 @@ class BudgetLedger:
         self._lock = threading.Lock()
         self._held: OrderedDict[Hashable, Plan] = OrderedDict()
 
-    def available(self, b_pc: int) -> int:
+    def available(self, pagecache_budget_bytes: int) -> int:
+        """What of ``B_pc`` the live sessions' Group 1 leaves for a new session."""
         with self._lock:
-            return max(0, b_pc - sum(p.group1_bytes for p in self._held.values()))
+            return max(0, pagecache_budget_bytes - sum(p.group1_bytes for p in self._held.values()))
 
     def admit(self, session: Hashable, plan: Plan) -> None:
         """Record (or update) the page-cache bytes a session's plan holds."""
@@ -448,10 +454,10 @@ class BudgetLedger:
         with self._lock:
             return sum(p.group1_bytes for p in self._held.values())
 
-    def shrink(self, b_pc: int) -> dict[Hashable, int]:
-        """New grants for the sessions that must give bytes back so that the total fits ``b_pc``."""
+    def shrink(self, pagecache_budget_bytes: int) -> dict[Hashable, int]:
+        """New grants for the sessions that must give bytes back so that the total fits ``B_pc``."""
         with self._lock:
-            excess = sum(p.group1_bytes for p in self._held.values()) - max(0, b_pc)
+            excess = sum(p.group1_bytes for p in self._held.values()) - max(0, pagecache_budget_bytes)
             out: dict[Hashable, int] = {}
             for session, plan in reversed(self._held.items()):
                 if excess <= 0:

@@ -294,9 +294,10 @@ class Connection:
         self.sessions[sess.id] = sess
         plan, budget = sess.plan, sess.budget
         log.debug("session plan", extra=fields(
-            session=sess.id, pid=self.peer.pid, mode=plan.mode.value, b_pc=budget.get("b_pc"),
-            granted=budget.get("granted_bytes"), held_by_others=budget.get("held_by_others_bytes"),
-            x_bytes=plan.x_bytes, n1=plan.n1, group1=",".join(k.name for k in plan.group1()) or "none",
+            session=sess.id, pid=self.peer.pid, mode=plan.mode.value,
+            pagecache_budget_bytes=budget.get("pagecache_budget_bytes"), granted=budget.get("granted_bytes"),
+            held_by_others=budget.get("held_by_others_bytes"), group1_limit_bytes=plan.group1_limit_bytes,
+            group1_layers=plan.group1_layers, group1=",".join(k.name for k in plan.group1()) or "none",
             group2=",".join(k.name for k in plan.group2()) or "none", extent_blocks=plan.extent_blocks,
             staging_bytes=sess.staging_bytes))
         return out

@@ -259,17 +259,16 @@ class Daemon:
         """The live values of ``stats`` and of the Prometheus gauges (metrics.Collector)."""
         b = self._last_budget
         budget = {k: v for k, v in b.items()
-                  if k in ("m_avail", "m_max", "m_anon_shmem", "m_star", "b_pc", "b_pc_computed", "m_file",
-                           "mem_total")}
-        if "n_threads" in b and "m_pin" in b:
-            budget["pinned"] = b["n_threads"] * b["m_pin"]
+                  if k in ("host_available_bytes", "memory_limit_bytes", "anon_shmem_bytes", "usable_bytes",
+                           "pagecache_budget_bytes", "pagecache_budget_computed_bytes", "file_bytes",
+                           "host_total_bytes", "pinned_bytes")}
         with self._conns_lock:
             connections = len(self._conns)
         return {"sessions": len(self.manager.sessions), "connections": connections,
                 "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks,
                             "largest_free": self.allocator.largest_free, "region_blocks": self.allocator.nblocks},
                 "lba_size": self.device.lba_size,
-                "budget": budget | {"held": self.manager.ledger.held_bytes},
+                "budget": budget | {"held_bytes": self.manager.ledger.held_bytes},
                 "replan": self.manager.replanner.to_dict()}
 
     def _sample_budget(self) -> dict[str, Any]:
@@ -288,12 +287,13 @@ class Daemon:
         return {
             "sample": sample,
             "held_bytes": held,
-            "available_bytes": max(0, int(sample.get("b_pc", 0)) - held),
+            "available_bytes": max(0, int(sample.get("pagecache_budget_bytes", 0)) - held),
             "override_bytes": self.cfg.budget.override,
             "cap_bytes": self.cfg.budget.cap,
-            "sessions": [{"session": s.id, "channels": len(s.channels), "m_pin": s.slot_stride,
-                          "b_pc": s.plan.budget_bytes, "x_bytes": s.plan.x_bytes, "n1": s.plan.n1,
-                          "group1_bytes": s.plan.group1_bytes, "budget": s.budget} for s in live],
+            "sessions": [{"session": s.id, "channels": len(s.channels), "pinned_per_thread_bytes": s.slot_stride,
+                          "budget_bytes": s.plan.budget_bytes, "group1_limit_bytes": s.plan.group1_limit_bytes,
+                          "group1_layers": s.plan.group1_layers, "group1_bytes": s.plan.group1_bytes,
+                          "budget": s.budget} for s in live],
         }
 
     def status(self) -> dict[str, Any]:
@@ -308,7 +308,8 @@ class Daemon:
             "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks},
             "sessions": len(self.manager.sessions), "connections": len(self._conns),
             "metrics": self.metrics.address if self.metrics else None,
-            "budget": {k: self._last_budget.get(k) for k in ("b_pc", "m_star", "cgroup", "cgroup_version")},
+            "budget": {k: self._last_budget.get(k) for k in ("pagecache_budget_bytes", "usable_bytes", "cgroup",
+                                                               "cgroup_version")},
         }
 
     def trim_region(self) -> dict[str, Any]:

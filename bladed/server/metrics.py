@@ -26,19 +26,20 @@ from prometheus_client.exposition import MetricsHandler
 
 from bladed import __version__
 from bladed.protocol import PROTOCOL_VERSION
+from bladed.residency.planner import KVPath
 
 log = logging.getLogger(__name__)
 
 #: latency buckets in seconds: 20 us .. 10 s, covering a 4 KiB append to a 100+ MiB KPU
 LATENCY_BUCKETS = (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
-PATHS = ("pagecache", "direct")
+PATHS = tuple(p.value for p in KVPath)
 OPS = ("read", "write")
 
 
 @dataclass
-class PathStats:
-    """Counters of one (path, op)."""
+class PathCounters:
+    """Counters of one (path, op) in the daemon."""
 
     ops: int = 0
     bytes: int = 0
@@ -70,7 +71,7 @@ class Stats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.io = {(p, o): PathStats() for p in PATHS for o in OPS}
+        self.io = {(p, o): PathCounters() for p in PATHS for o in OPS}
         self.pagecache_read_bytes = 0
         self.pagecache_hit_bytes = 0.0
         self.trimmed_bytes = 0
@@ -168,20 +169,20 @@ _LABELLED_COUNTERS = {
 }
 #: Eq. 1-2 and the ledger, one gauge each: (metric, key of Daemon.gauges()["budget"], help with the paper's symbol)
 _BUDGET_GAUGES = (
-    ("bladed_pagecache_budget_bytes", "b_pc",
+    ("bladed_pagecache_budget_bytes", "pagecache_budget_bytes",
      "B_pc (Eq. 2): the page-cache budget, after budget.override / budget.cap"),
-    ("bladed_pagecache_budget_computed_bytes", "b_pc_computed",
+    ("bladed_pagecache_budget_computed_bytes", "pagecache_budget_computed_bytes",
      "B_pc as Eq. 2 computes it, before budget.override / budget.cap"),
-    ("bladed_pagecache_held_bytes", "held", "Page-cache bytes live sessions' plans hold (Group 1), out of B_pc"),
-    ("bladed_memory_usable_bytes", "m_star", "M* (Eq. 1) = min(M_avail, M_max - M_anon+shmem)"),
-    ("bladed_memory_available_bytes", "m_avail", "M_avail (Eq. 1): the host's MemAvailable"),
-    ("bladed_memory_limit_bytes", "m_max",
+    ("bladed_pagecache_held_bytes", "held_bytes", "Page-cache bytes live sessions' plans hold (Group 1), out of B_pc"),
+    ("bladed_memory_usable_bytes", "usable_bytes", "M* (Eq. 1) = min(M_avail, M_max - M_anon+shmem)"),
+    ("bladed_memory_available_bytes", "host_available_bytes", "M_avail (Eq. 1): the host's MemAvailable"),
+    ("bladed_memory_limit_bytes", "memory_limit_bytes",
      "M_max (Eq. 1): the memory cgroup's limit (smallest over its ancestors), or MemTotal if it has none"),
-    ("bladed_memory_anon_shmem_bytes", "m_anon_shmem",
+    ("bladed_memory_anon_shmem_bytes", "anon_shmem_bytes",
      "M_anon+shmem (Eq. 1): anonymous and shared memory charged to the memory cgroup"),
-    ("bladed_memory_file_bytes", "m_file", "M_file: page cache charged to the memory cgroup now (shmem excluded)"),
-    ("bladed_memory_total_bytes", "mem_total", "The host's MemTotal"),
-    ("bladed_staging_pinned_bytes", "pinned", "N_threads x M_pin (Eq. 2): staging memory of the open sessions"),
+    ("bladed_memory_file_bytes", "file_bytes", "Page cache charged to the memory cgroup now (shmem excluded)"),
+    ("bladed_memory_total_bytes", "host_total_bytes", "The host's MemTotal"),
+    ("bladed_staging_pinned_bytes", "pinned_bytes", "N_threads x M_pin (Eq. 2): staging memory of the open sessions"),
 )
 #: live re-planning counters: (metric, key of LiveReplanner.to_dict(), help)
 _REPLAN_COUNTERS = (

@@ -36,7 +36,7 @@ from bladed.logfmt import fields
 from bladed.protocol import RequestError
 from bladed.residency.budget import BudgetBreakdown, Budgeter
 from bladed.residency.extents import RegionFullError
-from bladed.residency.planner import KPU, Mode, Path, Plan, replan, whole_layers
+from bladed.residency.planner import KPU, KVPath, Mode, Plan, replan, whole_layers
 from bladed.server.events import event
 
 if TYPE_CHECKING:
@@ -50,9 +50,9 @@ def _with_kpu(plan: Plan, kpu: KPU, target: Plan) -> Plan:
     """``plan`` with one KPU replaced (a demotion carried out), sized like ``target``."""
     kpus = tuple(kpu if k.tensor_id == kpu.tensor_id else k for k in plan.kpus)
     n1 = whole_layers((k.tensor_id for k in kpus if k.group == 1), plan.geometry.layers)
-    padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is Path.DIRECT)
-    return replace(plan, kpus=kpus, n1=n1, padding_bytes=padding, x_bytes=target.x_bytes,
-                   budget_bytes=target.budget_bytes)
+    padding = sum(k.padded_bytes - k.nbytes for k in kpus if k.path is KVPath.DIRECT)
+    return replace(plan, kpus=kpus, group1_layers=n1, padding_bytes=padding,
+                   group1_limit_bytes=target.group1_limit_bytes, budget_bytes=target.budget_bytes)
 
 
 class LiveState:
@@ -246,8 +246,8 @@ class LiveReplanner:
     def _on_change(self, b: BudgetBreakdown) -> None:
         budgeter = self._budgeter
         n, pin = self._pinned()
-        if budgeter is not None and (budgeter.n_threads, budgeter.m_pin) != (n, pin):
-            budgeter.n_threads, budgeter.m_pin = n, pin
+        if budgeter is not None and (budgeter.copy_threads, budgeter.pinned_per_thread_bytes) != (n, pin):
+            budgeter.copy_threads, budgeter.pinned_per_thread_bytes = n, pin
             try:
                 b = budgeter.sample(b.reason)
             except OSError as e:
@@ -258,9 +258,10 @@ class LiveReplanner:
     def apply(self, b: BudgetBreakdown) -> None:
         """``ledger.shrink(B_pc)``, then record each affected session's demotions."""
         with self._lock:
-            grants = self.manager.ledger.shrink(b.b_pc)
+            grants = self.manager.ledger.shrink(b.pagecache_budget_bytes)
             log.debug("budget applied to live sessions", extra=fields(
-                b_pc=b.b_pc, reason=b.reason, held=self.manager.ledger.held_bytes,
+                pagecache_budget_bytes=b.pagecache_budget_bytes, reason=b.reason,
+                held_bytes=self.manager.ledger.held_bytes,
                 grants=",".join(f"{sid}:{g}" for sid, g in grants.items()) or "none"))
             for sid, grant in grants.items():
                 sess = self.manager.get(str(sid))
@@ -270,7 +271,8 @@ class LiveReplanner:
                 if not demoted:
                     continue
                 self.stats["replans"] += 1
-                event("replan", session=sess.id, mode=sess.plan.mode.value, b_pc=b.b_pc, grant=grant,
+                event("replan", session=sess.id, mode=sess.plan.mode.value,
+                      pagecache_budget_bytes=b.pagecache_budget_bytes, grant=grant,
                       reason=b.reason, demoted=",".join(k.name for k in demoted))
                 # eager: the demotion worker moves an idle session's KPUs too
                 for k in demoted:

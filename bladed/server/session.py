@@ -33,7 +33,7 @@ from bladed.io import Engine, ExtentDevice, StagingBuffer
 from bladed.protocol import MIRROR, ErrorCode, IOOp, IORange, RangeResult, RequestError, get_field
 from bladed.residency.budget import Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
-from bladed.residency.geometry import GEOMETRY_FIELDS, PAGE_SIZE, Geometry, align_up, tensor_id, tensor_of
+from bladed.residency.geometry import GEOMETRY_FIELDS, Geometry, tensor_id, tensor_of
 from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
 from bladed.server.channel import Channel
 from bladed.server.events import Peer, event
@@ -43,11 +43,12 @@ from bladed.server.metrics import Stats
 from bladed.server.replan import LiveReplanner, LiveState
 from bladed.server.state import QUARANTINED, Journal, SessionRecord
 from bladed.server.stores import Access, ExtentKPUStore, PageCacheKPUStore
+from bladed.sizes import PAGE_SIZE, align_up
 
 log = logging.getLogger("bladed.session")
 
 #: the open_session reply lists every KPU (2 per layer, at most 164 bytes each): 2048 layers keep the worst-case
-#: reply at about 714 KB, inside MAX_FRAME_BYTES (docs/protocol.md, "Limits")
+#: reply at about 698 KB, 67% of MAX_FRAME_BYTES (docs/protocol.md, "Limits")
 MAX_LAYERS = 2048
 
 
@@ -121,8 +122,8 @@ class Session:
         return {
             "session": self.id, "uid": self.peer.uid, "pid": self.peer.pid, "mode": p.mode.value,
             "channels": len(self.channels), "geometry": self.geometry.to_dict(), "opened": self.opened,
-            "n1": p.n1, "x_bytes": p.x_bytes, "b_pc": p.budget_bytes,
-            "group1": len(p.group1()), "group2": len(p.group2()),
+            "group1_layers": p.group1_layers, "group1_limit_bytes": p.group1_limit_bytes,
+            "budget_bytes": p.budget_bytes, "group1_kpus": len(p.group1()), "group2_kpus": len(p.group2()),
             "pagecache_bytes": sum(k.pagecache_bytes for k in p.pagecache_kpus()),
             "direct_bytes": p.direct_bytes, "storage_bytes": self.storage_bytes,
             "extent": None if ext is None else {"start": ext.start, "nblocks": ext.nblocks},
@@ -287,9 +288,9 @@ class SessionManager:
     def staging_align(self) -> int:
         return max(PAGE_SIZE, self.device.lba_size)
 
-    def budgeter(self, n_threads: int, m_pin: int) -> Budgeter:
+    def budgeter(self, copy_threads: int, pinned_per_thread_bytes: int) -> Budgeter:
         b = self.cfg.budget
-        return Budgeter(n_threads, m_pin, override_bytes=b.override, cap_bytes=b.cap,
+        return Budgeter(copy_threads, pinned_per_thread_bytes, override_bytes=b.override, cap_bytes=b.cap,
                         cgroup_path=b.cgroup or None)
 
     def live_sessions(self) -> list[Session]:
@@ -328,8 +329,8 @@ class SessionManager:
             raise RequestError(ErrorCode.BAD_REQUEST, f"field 'mode': {e}") from None
         channels = get_field(body, "channels", int, minimum=1, maximum=cfg.io.max_channels)
         slot_bytes = get_field(body, "slot_bytes", int, default=geometry.kpu_bytes, minimum=geometry.kpu_bytes)
-        staging_bytes = get_field(body, "staging_bytes", int, minimum=1)
         stride = align_up(slot_bytes, self.staging_align)
+        staging_bytes = get_field(body, "staging_bytes", int, default=channels * stride, minimum=1)
         if staging_bytes < channels * stride or staging_bytes % self.staging_align:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"staging_bytes {staging_bytes} must be a multiple of {self.staging_align} and hold "
@@ -339,16 +340,16 @@ class SessionManager:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"staging of {staging_bytes} bytes exceeds io.max_staging_bytes "
                                f"({cfg.io.max_staging_bytes}); use fewer channels or a smaller geometry")
-        _check_memfd(fd, staging_bytes)
+        _prepare_memfd(fd, staging_bytes)
         lba = self.device.lba_size
 
         # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold
         try:
             breakdown = self.budgeter(channels, stride).sample()
-            b_pc, budget = breakdown.b_pc, breakdown.to_dict()
+            b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
         except (OSError, ValueError) as e:
             log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
-            b_pc, budget = 0, {"error": str(e), "b_pc": 0}
+            b_pc, budget = 0, {"error": str(e), "pagecache_budget_bytes": 0}
         grant = self.ledger.available(b_pc)
         budget["granted_bytes"] = grant
         budget["held_by_others_bytes"] = self.ledger.held_bytes
@@ -381,8 +382,9 @@ class SessionManager:
         self.stats.add("sessions_opened")
         ext = sess.extent
         event("session_open", session=sid, uid=peer.uid, pid=peer.pid, mode=mode.value, channels=channels,
-              layers=geometry.layers, kpu_bytes=geometry.kpu_bytes, b_pc=b_pc, x_bytes=plan.x_bytes, n1=plan.n1,
-              group1=len(plan.group1()), group2=len(plan.group2()),
+              layers=geometry.layers, kpu_bytes=geometry.kpu_bytes, pagecache_budget_bytes=b_pc,
+              group1_limit_bytes=plan.group1_limit_bytes, group1_layers=plan.group1_layers,
+              group1_kpus=len(plan.group1()), group2_kpus=len(plan.group2()),
               extent=f"{ext.start}+{ext.nblocks}" if ext else "none",
               registered=all(c.engine.registered for c in sess.channels))
         return sess
@@ -527,11 +529,14 @@ class SessionManager:
             self.close(s, reason)
 
 
-def _check_memfd(fd: int, need: int) -> None:
+def _prepare_memfd(fd: int, need: int) -> None:
     """The staging descriptor must be a memfd sealed against shrinking and big enough.
 
-    A shrinkable mapping could be truncated by the client under the daemon's
-    feet, and touching it would then kill the daemon with SIGBUS.
+    An empty memfd that may still grow is sized here to ``need`` bytes and
+    sealed (what :class:`bladed.client.Client` sends: the daemon owns the
+    layout).  A shrinkable mapping could be truncated by the client under the
+    daemon's feet, and touching it would then kill the daemon with SIGBUS;
+    the size is checked after the seal, so a client racing to shrink it loses.
     """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -541,8 +546,18 @@ def _check_memfd(fd: int, need: int) -> None:
     except OSError:
         raise RequestError(ErrorCode.BAD_REQUEST, "the staging descriptor must be a memfd "
                            "(memfd_create with MFD_ALLOW_SEALING)") from None
+    if st.st_size == 0 and not seals & (fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL):
+        try:
+            os.ftruncate(fd, need)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError as e:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"cannot size and seal the empty staging memfd to {need} "
+                               f"bytes: {e.strerror or e}") from None
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise RequestError(ErrorCode.BAD_REQUEST, "the staging memfd must be sealed with F_SEAL_SHRINK")
+        raise RequestError(ErrorCode.BAD_REQUEST, "the staging memfd must be sealed with F_SEAL_SHRINK, or be "
+                           "empty and not sealed (the daemon then sizes and seals it)")
     if st.st_size < need:
         raise RequestError(ErrorCode.BAD_REQUEST, f"the staging memfd has {st.st_size} bytes, {need} announced")
 

@@ -29,7 +29,7 @@ from nvmevm import NG_PATH, VMConfig
 
 from bladed.io import Op, Ring, StagingBuffer, Transfer, open_device
 from bladed.io.nvme import NvmeDevice
-from bladed.io.uring import PAGE_SIZE
+from bladed.sizes import PAGE_SIZE
 
 HERE = Path(__file__).resolve().parent
 

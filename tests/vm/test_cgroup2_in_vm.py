@@ -94,13 +94,13 @@ def test_a_cgroup_without_the_memory_controller_is_charged_to_its_ancestor(deleg
     info = locate_memory_cgroup()
     assert (info.version, info.path, info.root) == ("v2", delegated, "/sys/fs/cgroup")
     assert info.pressure_file == os.path.join(own, "memory.pressure")
-    b = Budgeter(n_threads=0, m_pin=0).sample()
-    assert (b.cgroup, b.cgroup_version) == (delegated, "v2") and b.m_anon > 0
+    b = Budgeter(copy_threads=0, pinned_per_thread_bytes=0).sample()
+    assert (b.cgroup, b.cgroup_version) == (delegated, "v2") and b.anon_bytes > 0
 
 
 def test_every_budget_term_matches_the_kernel_files(worker_cgroup: Any) -> None:
     _outer, inner, w = worker_cgroup
-    budgeter = Budgeter(n_threads=2, m_pin=8 * MiB, pid=w.pid)
+    budgeter = Budgeter(copy_threads=2, pinned_per_thread_bytes=8 * MiB, pid=w.pid)
     # v2 folds per-CPU counter updates into memory.stat lazily (at most 2 s late): take a sample
     # between two reads of the kernel's file that agree
     for _ in range(5):
@@ -113,36 +113,37 @@ def test_every_budget_term_matches_the_kernel_files(worker_cgroup: Any) -> None:
         pytest.fail(f"memory.stat of the idle worker's cgroup kept changing: {before} -> {s}")
     assert (b.cgroup, b.cgroup_version) == (inner.path, "v2")
     # M_max: the smallest of memory.max and memory.high over the cgroup and its ancestors
-    assert b.m_max == 192 * MiB and b.limited and b.m_max_source == os.path.join(inner.path, "memory.high")
-    assert (b.m_anon, b.m_shmem) == (s["anon"], s["shmem"]) and b.m_anon_shmem == s["anon"] + s["shmem"]
+    assert b.memory_limit_bytes == 192 * MiB and b.limited
+    assert b.memory_limit_source == os.path.join(inner.path, "memory.high")
+    assert (b.anon_bytes, b.shmem_bytes) == (s["anon"], s["shmem"]) and b.anon_shmem_bytes == s["anon"] + s["shmem"]
     assert s["anon"] >= 48 * MiB and s["shmem"] >= 32 * MiB
     # v2's "file" includes shmem; the page cache bladed compares with B_pc excludes it
-    assert b.m_file == s["file"] - s["shmem"] and b.m_file >= 20 * MiB
-    assert b.m_kernel == s["kernel"]
+    assert b.file_bytes == s["file"] - s["shmem"] and b.file_bytes >= 20 * MiB
+    assert b.kernel_bytes == s["kernel"]
     meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
-    assert b.mem_total == meminfo["MemTotal"]
-    assert b.m_star == min(b.m_avail, 192 * MiB - b.m_anon_shmem)                     # Eq. 1
-    assert b.binding == "cgroup"                                                       # 2 GiB guest
-    assert b.b_pc == max(0, b.m_star - 2 * 8 * MiB) == b.b_pc_computed                 # Eq. 2
+    assert b.host_total_bytes == meminfo["MemTotal"]
+    assert b.usable_bytes == min(b.host_available_bytes, 192 * MiB - b.anon_shmem_bytes)      # Eq. 1
+    assert b.binding == "cgroup"                                                        # 2 GiB guest
+    assert b.pagecache_budget_bytes == max(0, b.usable_bytes - 2 * 8 * MiB) == b.pagecache_budget_computed_bytes
 
 
 def test_the_smallest_limit_wins_and_changes_are_followed(worker_cgroup: Any) -> None:
     outer, inner, w = worker_cgroup
-    budgeter = Budgeter(n_threads=1, m_pin=0, pid=w.pid)
+    budgeter = Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid)
     Path(inner.path, "memory.high").write_text("max")
     b = budgeter.sample()
-    assert b.m_max == 256 * MiB and b.m_max_source == os.path.join(inner.path, "memory.max")
+    assert b.memory_limit_bytes == 256 * MiB and b.memory_limit_source == os.path.join(inner.path, "memory.max")
     inner.set_limit(None)
     b = budgeter.sample()
-    assert b.m_max == 320 * MiB and b.m_max_source == os.path.join(outer.path, "memory.max")
+    assert b.memory_limit_bytes == 320 * MiB and b.memory_limit_source == os.path.join(outer.path, "memory.max")
     Path(outer.path, "memory.high").write_text(str(160 * MiB))
     b = budgeter.sample()
-    assert b.m_max == 160 * MiB and b.m_max_source == os.path.join(outer.path, "memory.high")
+    assert b.memory_limit_bytes == 160 * MiB and b.memory_limit_source == os.path.join(outer.path, "memory.high")
     outer.set_limit(None)
     Path(outer.path, "memory.high").write_text("max")
     b = budgeter.sample()
     # no limit on the way up to the delegated unit: the guest's memory (the unit sets none either)
-    assert not b.limited and b.m_max == b.mem_total and b.m_max_source == "host MemTotal"
+    assert not b.limited and b.memory_limit_bytes == b.host_total_bytes and b.memory_limit_source == "host MemTotal"
 
 
 def test_a_psi_event_wakes_the_sampler(worker_cgroup: Any) -> None:

@@ -31,8 +31,8 @@ from bladed.io import (
     Engine,
     NVMeStatusError,
     Op,
-    OutOfRangeError,
     StagingBuffer,
+    TargetRangeError,
     Transfer,
     open_device,
 )
@@ -585,7 +585,7 @@ def test_write_zeroes_reads_back_as_zeroes(nvme_dev: NvmeDevice, bufs: Any) -> N
 
 def test_python_range_check_stops_requests_past_the_end(nvme_dev: NvmeDevice, bufs: Any) -> None:
     w, _ = bufs
-    with Engine(nvme_dev, queue_depth=2) as eng, pytest.raises(OutOfRangeError, match="past the end"):
+    with Engine(nvme_dev, queue_depth=2) as eng, pytest.raises(TargetRangeError, match="past the end"):
         eng.read(nvme_dev.capacity_blocks, w, nbytes=nvme_dev.lba_size)
 
 

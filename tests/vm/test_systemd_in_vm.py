@@ -269,13 +269,13 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
                 run("systemctl", "set-property", "--runtime", "bladed.service", "MemoryHigh=300M", "MemoryMax=400M")
                 assert Path(CGROUP, "memory.high").read_text().strip() == str(300 * MiB)
                 s = admin.budget()["sample"]
-                assert (s["m_max"], s["m_max_source"]) == (300 * MiB, f"{CGROUP}/memory.high"), s
-                assert s["m_star"] == min(s["m_avail"], 300 * MiB - s["m_anon_shmem"])
+                assert (s["memory_limit_bytes"], s["memory_limit_source"]) == (300 * MiB, f"{CGROUP}/memory.high"), s
+                assert s["usable_bytes"] == min(s["host_available_bytes"], 300 * MiB - s["anon_shmem_bytes"])
                 # the session's page-cache files (2 KPUs) are charged to the unit
-                assert s["m_file"] >= 2 * KPU
+                assert s["file_bytes"] >= 2 * KPU
                 run("systemctl", "set-property", "--runtime", "bladed.service", "MemoryHigh=infinity")
                 s = admin.budget()["sample"]
-                assert (s["m_max"], s["m_max_source"]) == (400 * MiB, f"{CGROUP}/memory.max"), s
+                assert (s["memory_limit_bytes"], s["memory_limit_source"]) == (400 * MiB, f"{CGROUP}/memory.max"), s
 
                 # -- reload: re-reads the file, applies what it can ----------------------------------
                 CONFIG.write_text(config(lba, log={"level": "debug"}, budget={"cap": "1G"}))

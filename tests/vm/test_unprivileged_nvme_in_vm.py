@@ -20,7 +20,8 @@ from nvmevm import NG_PATH
 from systemdvm import UNPRIVILEGED_PASSTHROUGH
 
 from bladed.io.nvme import CNS_CONTROLLER, CNS_NAMESPACE, NvmeDevice, identify
-from bladed.io.uring import PAGE_SIZE, Op, Ring, StagingBuffer, Transfer
+from bladed.io.uring import Op, Ring, StagingBuffer, Transfer
+from bladed.sizes import PAGE_SIZE
 
 NOBODY = 65534
 

@@ -7,9 +7,9 @@ import time
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from bladed.protocol import ErrorCode, IOOp, RangeResult
-from bladed.residency.planner import Path
+from bladed.residency.planner import KVPath
 
-_DIRECT = Path.DIRECT
+_DIRECT = KVPath.DIRECT
 
 if TYPE_CHECKING:
     from bladed.io import Engine, StagingBuffer
@@ -59,7 +59,7 @@ class Access:
         self.result.error = code
         self.result.message = message
 
-    def served(self, path: Path, started_ns: int, hit_bytes: int | None = None) -> None:
+    def served(self, path: KVPath, started_ns: int, hit_bytes: int | None = None) -> None:
         r = self.result
         r.path = path.value
         r.nbytes = self.nbytes
@@ -72,7 +72,7 @@ class Access:
 class KPUStore(abc.ABC):
     """A set of KPUs on one I/O path, with everything that path needs to serve them."""
 
-    path: ClassVar[Path]
+    path: ClassVar[KVPath]
 
     @abc.abstractmethod
     def holds(self, tensor_id: int) -> bool:

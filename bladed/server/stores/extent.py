@@ -42,9 +42,9 @@ from bladed.io import BladedIOError, Op, StagingBuffer, Transfer
 from bladed.io.pagecache import PageCacheFile
 from bladed.protocol import ErrorCode
 from bladed.residency.extents import Extent, ExtentMap
-from bladed.residency.geometry import PAGE_SIZE, align_up
-from bladed.residency.planner import KPU, Path, Plan
+from bladed.residency.planner import KPU, KVPath, Plan
 from bladed.server.stores.base import Access, ChannelIO, KPUStore
+from bladed.sizes import PAGE_SIZE, align_up, ceil_div
 
 #: bounce buffer for ranges whose slot offset is not aligned like their KPU offset, and for demotion copies
 BOUNCE_BYTES = 1 << 20
@@ -79,7 +79,7 @@ class _Edge:
 class ExtentKPUStore(KPUStore):
     """The direct-path KPUs of one session on its extent (the packed layout above)."""
 
-    path: ClassVar[Path] = Path.DIRECT
+    path: ClassVar[KVPath] = KVPath.DIRECT
 
     def __init__(self, plan: Plan, extent: Extent | None, channels: int) -> None:
         self.lba = plan.lba_size
@@ -218,7 +218,7 @@ class ExtentKPUStore(KPUStore):
                 if not e.from_tail:
                     assert scratch is not None
                     xfers.append((i, eng.transfer(op, base + e.block, scratch, offset=e.scratch, nbytes=L)))
-            m0, m1 = -(-a.offset // L), (a.offset + a.nbytes) // L
+            m0, m1 = ceil_div(a.offset, L), (a.offset + a.nbytes) // L
             if m1 > m0:
                 # Algorithm 2 for a box of whole token rows: slba = start + offset / LBA (line 5)
                 xfers.append((i, eng.transfer(op, base + m0, slot, offset=a.slot_offset + m0 * L - a.offset,
@@ -245,7 +245,7 @@ class ExtentKPUStore(KPUStore):
                 for e in edges:
                     dst = a.slot_offset + (e.block * L + e.lo - a.offset)
                     slot.view(dst, e.hi - e.lo)[:] = sv[e.scratch + e.lo:e.scratch + e.hi]
-            a.served(Path.DIRECT, started)
+            a.served(KVPath.DIRECT, started)
 
     def _edges(self, a: Access, scratch_at: int) -> list[_Edge]:
         """The access's LBAs that it covers only in part (none when the §IV-B precondition holds)."""
@@ -296,7 +296,7 @@ class ExtentKPUStore(KPUStore):
         b = o0 // L
         try:
             while b * L < o1:
-                k = min(per, -(-(o1 - b * L) // L))                # whole LBAs [b, b + k) in this piece
+                k = min(per, ceil_div(o1 - b * L, L))              # whole LBAs [b, b + k) in this piece
                 lo, hi = max(o0, b * L), min(o1, (b + k) * L)      # the access's KPU bytes among them
                 rel, src = lo - b * L, a.slot_offset + lo - o0
                 if not a.is_write:
@@ -325,7 +325,7 @@ class ExtentKPUStore(KPUStore):
                 tail.fill = max(tail.fill, o1)
             a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {e}")
             return
-        a.served(Path.DIRECT, started)
+        a.served(KVPath.DIRECT, started)
 
     # -- live demotion -----------------------------------------------------------------------
     def adopt(self, kpu: KPU, source: PageCacheFile, filled: int, ch: ChannelIO,

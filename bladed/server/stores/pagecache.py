@@ -19,7 +19,7 @@ from typing import ClassVar
 from bladed.io import BladedIOError
 from bladed.io.pagecache import PageCacheFile, PageCacheStore
 from bladed.protocol import ErrorCode
-from bladed.residency.planner import KPU, Path
+from bladed.residency.planner import KPU, KVPath
 from bladed.server.stores.base import Access, ChannelIO, KPUStore
 
 log = logging.getLogger("bladed.session")
@@ -31,7 +31,7 @@ SESSION_DIR_PREFIX = "session-"
 class PageCacheKPUStore(KPUStore):
     """One session's page-cache files: created with the session, removed at its end."""
 
-    path: ClassVar[Path] = Path.PAGECACHE
+    path: ClassVar[KVPath] = KVPath.PAGECACHE
 
     def __init__(self, root: str, session_id: str, kpus: Iterable[KPU]) -> None:
         self._kpus = {k.tensor_id: k for k in kpus}
@@ -74,7 +74,7 @@ class PageCacheKPUStore(KPUStore):
             except (OSError, BladedIOError) as e:
                 a.fail(ErrorCode.IO_ERROR, f"page-cache {a.op.name.lower()} of {a.kpu.name}: {e}")
                 continue
-            a.served(Path.PAGECACHE, t0, hit)
+            a.served(KVPath.PAGECACHE, t0, hit)
         del keep
 
     def drop(self, tensor_id: int) -> None:
