@@ -26,19 +26,20 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from bladed.residency.geometry import Geometry
+from bladed.residency.geometry import dtype_bytes as geometry_dtype_bytes
 
 Kind = Literal["k", "v"]
 
-_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
+#: the KV dtypes the torch views of a staging slot support (their sizes: the one dtype table)
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of a KV dtype (ValueError naming the supported ones for any other)."""
-    try:
-        return _DTYPE_BYTES[dtype]
-    except KeyError:
-        known = ", ".join(str(d).removeprefix("torch.") for d in _DTYPE_BYTES)
-        raise ValueError(f"KV dtype {dtype} is not supported; use one of {known}") from None
+    if dtype not in KV_DTYPES:
+        known = ", ".join(str(d).removeprefix("torch.") for d in KV_DTYPES)
+        raise ValueError(f"KV dtype {dtype} is not supported; use one of {known}")
+    return geometry_dtype_bytes(dtype)
 
 
 @dataclass
