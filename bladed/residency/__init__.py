@@ -1,5 +1,5 @@
 """The residency floor: the page-cache budget (Eq. 1-2), the KPU planner
-(Algorithm 1, Table III) and the LBA extents (Eq. 3-6, Algorithm 2).
+(Algorithm 1; the four configurations of the paper's Table III) and the LBA extents (Eq. 3-6, Algorithm 2).
 
 Knows model geometry and bytes; does no I/O on KV data and knows nothing of
 sessions' sockets or devices.

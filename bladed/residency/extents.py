@@ -374,7 +374,8 @@ class ExtentMap:
         ``index = (i0, j0, k0)`` the box's first element, ``shape_src = (f0, f1, f2)``
         its extent.  The box must be one contiguous byte range of the tensor
         and start and end on block boundaries (always true for whole token
-        rows when the §IV-B precondition holds; the extent store completes the
+        rows when the alignment precondition of the paper's §IV-B holds, a token row being a whole
+        number of LBAs; the extent store completes the
         edge LBAs of other ranges itself).
         """
         d0, d1, d2 = _as_triple("shape_tgt", shape_tgt)
@@ -410,7 +411,8 @@ class ExtentMap:
         return slba, req_bytes
 
     def check(self) -> None:
-        """Assert the three invariants of §IV-B over the bound tensors."""
+        """Assert the three invariants of the paper's §IV-B over the bound tensors: alignment, contiguity
+        (Eq. 6), disjointness."""
         prev_end: int | None = None
         for tid, (start, n) in self._entries.items():
             kpu = self._kpus[tid]

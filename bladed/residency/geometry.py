@@ -130,7 +130,8 @@ class Geometry:
         return (self.max_tokens, self.batch * self.kv_heads, self.head_dim)
 
     def aligned(self, lba_size: int) -> bool:
-        """The §IV-B precondition: one token of a KPU is a whole number of LBAs."""
+        """The alignment precondition of the paper's §IV-B (NVMe-direct path): one token of a KPU is a
+        whole number of LBAs."""
         return self.token_bytes % check_lba_size(lba_size) == 0
 
     def to_dict(self) -> dict[str, int]:

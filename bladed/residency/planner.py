@@ -1,4 +1,5 @@
-"""The KPU residency planner: paper Algorithm 1 and the four modes of Table III.
+"""The KPU residency planner: paper Algorithm 1 and the four modes of Table III (the paper's
+compared configurations: Baseline, CachePolicy-Only, NVMe-direct-Only, Dual-Blade).
 
 Each KPU (one layer's K or V) is put in Group 1 (page-cache path, resident
 within the budget) or Group 2 (beyond the budget).  Where Group 2 goes
@@ -44,7 +45,7 @@ from bladed.sizes import PAGE_SIZE, align_up
 
 
 class Mode(enum.StrEnum):
-    """The configurations of Table III, selectable by name."""
+    """The configurations the paper compares (its Table III), selectable by name."""
 
     BASELINE = "baseline"          # all KV on the page-cache path (vanilla FlexLLMGen)
     CACHEPOLICY = "cachepolicy"    # X = B_pc; Group 2 on the page-cache path, dropped after use
