@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from bladed.bench.metrics import latency_stats
+from bladed.sizes import align_up, ceil_div
 
 MiB = 1 << 20
 
@@ -122,7 +123,10 @@ def _address_of_readonly(mm: mmap.mmap) -> int:
 
 def bare_uring_writes(directory: str, token_bytes: int, kpu_bytes: int, first_token: int, tokens: int,
                       kpus: int, queue_depth: int = 32) -> dict[str, Any]:
-    """One-token O_DIRECT writes with bladed's Engine, one at a time, appended per KPU as decode does."""
+    """One-token O_DIRECT writes with bladed's Engine, one at a time, appended per KPU as decode does.
+
+    Token rows are packed as the daemon's extent store packs them (docs/architecture.md): a row's write
+    covers the whole LBAs it touches, one or two when the row is not a whole number of LBAs."""
     from bladed.io import Engine, StagingBuffer
     from bladed.io.file import FileDevice
 
@@ -130,8 +134,8 @@ def bare_uring_writes(directory: str, token_bytes: int, kpu_bytes: int, first_to
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     lba = 4096
-    nbytes = -(-token_bytes // lba) * lba
-    stride = -(-kpu_bytes // lba) * lba
+    nbytes = align_up(token_bytes, lba) + (lba if token_bytes % lba else 0)  # the most LBAs one row touches
+    stride = align_up(kpu_bytes, lba)
     size = kpus * stride
     lat: list[float] = []
     dev = FileDevice(path, size, lba_size=lba)
@@ -143,9 +147,9 @@ def bare_uring_writes(directory: str, token_bytes: int, kpu_bytes: int, first_to
             # the daemon's extents are holes after its TRIM on teardown: start from holes too
             eng.discard(0, size // lba)
             for t in range(first_token, first_token + tokens):
+                first, end = t * token_bytes // lba, ceil_div((t + 1) * token_bytes, lba)
                 for k in range(kpus):
-                    off = k * stride + t * nbytes
-                    x = eng.write(off // lba, buf, nbytes=nbytes)
+                    x = eng.write(k * stride // lba + first, buf, nbytes=(end - first) * lba)
                     lat.append(x.service_ns / 1e9)
         buf.close()
     finally:
