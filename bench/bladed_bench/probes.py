@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Any
 
-from bladed.bench.metrics import latency_stats
+from bladed_bench.metrics import latency_stats
 
 MiB = 1 << 20
 

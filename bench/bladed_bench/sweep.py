@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bladed.bench import environment, probes
-from bladed.bench.cgroup import MemCgroup, can_drop_caches, drop_caches
-from bladed.bench.metrics import (
+from bladed_bench import environment, probes
+from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
+from bladed_bench.metrics import (
     DiskSampler,
     block_device_of,
     latency_stats,
@@ -42,9 +42,9 @@ from bladed.bench.metrics import (
     union_seconds,
     wait_device_idle,
 )
-from bladed.bench.workload import (
+from bladed_bench.repo import REPO
+from bladed_bench.workload import (
     LABELS,
-    REPO,
     BladedTarget,
     KVTarget,
     OpRecord,
@@ -143,7 +143,7 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
 
 def machine_info(workdir: str) -> dict[str, Any]:
     """The machine, and the filesystem and disk under ``workdir``."""
-    git = environment.git_info(REPO, ("bladed", "cffi_build"))
+    git = environment.git_info(REPO, ("bladed", "cffi_build", "bench"))
     return environment.machine_info() | {
         "fio": probes.fio_version(), "disk": environment.disk_info(block_device_of(workdir)),
         "filesystem": environment.filesystem_of(workdir), "git_commit": git["commit"], "git_dirty": git["dirty"],
