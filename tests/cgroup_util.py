@@ -82,13 +82,13 @@ class ChildCgroup:
 
     @property
     def limit_file(self) -> str:
-        from bladed.bench.cgroup import limit_file
+        from bladed_bench.cgroup import limit_file
 
         return limit_file(self.path, self.version)
 
     def set_limit(self, nbytes: int | None) -> None:
         """Set (or, with None, lift) the hard limit."""
-        from bladed.bench.cgroup import set_limit
+        from bladed_bench.cgroup import set_limit
 
         set_limit(self.path, self.version, nbytes)
 

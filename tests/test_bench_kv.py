@@ -1,4 +1,4 @@
-"""Smoke test of the KV benchmark harness (``tools/bench_kv.py``, ``bladed/bench``).
+"""Smoke test of the KV benchmark harness (``tools/bench_kv.py``, ``bench/bladed_bench``).
 
 One tiny geometry, one memory limit, every configuration once, the pipeline
 on/off and alpha studies once each: the harness must run end to end against a
@@ -15,9 +15,9 @@ import pathlib
 
 import pytest
 
-from bladed.bench.cli import main
-from bladed.bench.metrics import percentile, summarize, union_seconds
-from bladed.bench.workload import CONFIGS
+from bladed_bench.cli import main
+from bladed_bench.metrics import percentile, summarize, union_seconds
+from bladed_bench.workload import CONFIGS
 
 TINY = ["--layers", "4", "--batch", "1", "--kv-heads", "4", "--head-dim", "512", "--prompt-len", "32",
         "--gen-len", "5"]

@@ -238,15 +238,6 @@ def test_help_shows_every_summary_whole_and_the_exit_statuses(nowhere: str) -> N
         assert f"{status} {meaning}" in text
 
 
-def test_bench_help_is_bladectls(nowhere: str) -> None:
-    """`bladectl bench --help` printed argparse usage named `bench_kv`."""
-    r = run("bench", "--help", cwd=nowhere)
-    assert r.returncode == 0 and r.stdout.startswith("usage: bladectl bench ") and "bench_kv" not in r.stdout
-    assert "{sweep,run,report}" in r.stdout
-    sub = run("bench", "run", "--help", cwd=nowhere)
-    assert sub.returncode == 0 and sub.stdout.startswith("usage: bladectl bench run ")
-
-
 def test_exit_statuses_are_documented() -> None:
     assert documented_exit_statuses("bladectl status") == {status for status, _ in EXIT_STATUSES}
 

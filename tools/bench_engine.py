@@ -49,10 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _p in (os.path.join(REPO, "bench"), REPO):  # this checkout's bladed and its benchmark harness
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
-from bladed.bench.environment import (  # noqa: E402  (after the checkout is on sys.path)
+from bladed_bench.environment import (  # noqa: E402  (after the checkout is on sys.path)
     disk_info,
     filesystem_of,
     git_info,

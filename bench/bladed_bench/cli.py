@@ -9,7 +9,8 @@ import os
 import sys
 from typing import Any
 
-from bladed.bench.workload import CONFIGS, REPO, WorkloadSpec
+from bladed_bench.repo import REPO
+from bladed_bench.workload import CONFIGS, WorkloadSpec
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -79,8 +80,8 @@ def _progress(total: int) -> Any:
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
-    from bladed.bench.report import load, write_report
-    from bladed.bench.sweep import SweepPlan, default_points, run_sweep
+    from bladed_bench.report import load, write_report
+    from bladed_bench.sweep import SweepPlan, default_points, run_sweep
 
     if a.gen_len < 2:
         raise SystemExit("--gen-len must be at least 2 (one decode step)")
@@ -113,7 +114,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from bladed.bench.sweep import Point, Runner, SweepPlan
+    from bladed_bench.sweep import Point, Runner, SweepPlan
 
     spec = _spec(a, a.pipeline)
     limit = int(a.limit * GiB) if a.limit else None
@@ -125,7 +126,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             "throughput", "busy", "cpu", "pipeline_report", "verify", "cgroup")
     out = {k: rec.get(k) for k in keys}
     out["plan"] = {k: v for k, v in (rec.get("target", {}).get("plan") or {}).items()
-                   if k in ("budget_bytes", "n1", "group1_bytes", "direct_bytes", "paths")}
+                   if k in ("budget_bytes", "group1_layers", "group1_bytes", "direct_bytes", "paths")}
     out["latency_ms"] = {k: {kk: v.get(kk) for kk in ("n", "avg_ms", "p99_ms")}
                          for k, v in rec.get("latency", {}).items() if v.get("n")}
     text = json.dumps(out, indent=1, default=str)
@@ -137,7 +138,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from bladed.bench.report import load, write_report
+    from bladed_bench.report import load, write_report
 
     doc = load(a.inputs)
     for f in write_report(doc, a.out, png_prefix=a.png_prefix):

@@ -27,7 +27,7 @@ that reads are checked to return what was written (a few rows per read).
 
 Targets: :class:`BladedTarget` (a real bladed daemon started for the run,
 driven through :mod:`bladed.client`) and :class:`TorchDiskTarget` (the
-Baseline of :mod:`bladed.bench.baseline`).
+Baseline of :mod:`bladed_bench.baseline`).
 """
 
 from __future__ import annotations
@@ -48,24 +48,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bladed.bench.metrics import DiskStat, cpu_seconds, rss_bytes
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadJob
 from bladed.residency.geometry import Geometry
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bladed_bench.baseline import OP_READ, OP_WRITE, TorchDiskClient
+from bladed_bench.metrics import DiskStat, cpu_seconds, rss_bytes
+from bladed_bench.repo import REPO, repo_env
 
 #: Table III labels, in the paper's order
 CONFIGS = ("baseline", "cachepolicy", "direct", "dualblade")
 LABELS = {"baseline": "Baseline", "cachepolicy": "CachePolicy-Only", "direct": "NVMe-direct-Only",
           "dualblade": "Dual-Blade"}
-
-
-def repo_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in ("NOTIFY_SOCKET", "BLADED_SOCKET"):
-        env.pop(k, None)
-    return env
 
 
 @dataclass(frozen=True)
@@ -287,9 +279,9 @@ class BladedTarget:
         with contextlib.suppress(Exception):
             mine = [s for s in self.client.sessions() if s.get("session") == self.session.id]
             if mine:
-                out["session"] = {k: mine[0].get(k) for k in ("n1", "group1", "group2", "pagecache_bytes",
-                                                                "direct_bytes", "demoted_kpus", "demoted_bytes",
-                                                                "pending_demotions", "demotions_failed")}
+                keys = ("group1_layers", "group1_kpus", "group2_kpus", "pagecache_bytes", "direct_bytes",
+                        "demoted_kpus", "demoted_bytes", "pending_demotions", "demotions_failed")
+                out["session"] = {k: mine[0].get(k) for k in keys}
         return out
 
     def info(self) -> dict[str, Any]:
@@ -316,14 +308,12 @@ class BladedTarget:
 # -- the Baseline ---------------------------------------------------------------------------
 
 class TorchDiskTarget:
-    """FlexLLMGen's TorchDisk path in a child process (see :mod:`bladed.bench.baseline`)."""
+    """FlexLLMGen's TorchDisk path in a child process (see :mod:`bladed_bench.baseline`)."""
 
     config = "baseline"
 
     def __init__(self, spec: WorkloadSpec, state_dir: str,
                  launcher: Callable[[list[str]], list[str]] | None = None) -> None:
-        from bladed.bench.baseline import TorchDiskClient
-
         self.channels = spec.channels
         self.client = TorchDiskClient(os.path.join(state_dir, "torchdisk"), spec.geometry(), spec.channels, launcher)
 
@@ -334,8 +324,6 @@ class TorchDiskTarget:
         return 1
 
     def io(self, op: str, layer: int, kind: str, ch: int, t0: int, n: int) -> tuple[str, int, int, float | None]:
-        from bladed.bench.baseline import OP_READ, OP_WRITE
-
         nbytes, ns, hit = self.client.io(OP_READ if op == "read" else OP_WRITE, layer, kind, ch, t0, n)
         return "mmap", nbytes, ns, hit
 
@@ -357,7 +345,7 @@ class TorchDiskTarget:
 
 @dataclass
 class RunTrace:
-    """What one workload run produced (raw; :mod:`bladed.bench.report` summarises it)."""
+    """What one workload run produced (raw; :mod:`bladed_bench.report` summarises it)."""
 
     spec: dict[str, Any]
     t_start: float = 0.0
@@ -566,4 +554,4 @@ class Workload:
 
 
 __all__ = ["CONFIGS", "LABELS", "BladedTarget", "DaemonProcess", "KVTarget", "OpRecord", "RunTrace",
-           "TorchDiskTarget", "Workload", "WorkloadSpec", "repo_env"]
+           "TorchDiskTarget", "Workload", "WorkloadSpec"]

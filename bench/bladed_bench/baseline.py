@@ -12,7 +12,7 @@ What vanilla FlexLLMGen does with an offloaded KV cache, reproduced here:
 * no ``madvise``, no ``fadvise``, no flushes: the kernel's page cache,
   readahead and writeback do everything.
 
-The copy threads run in a child process (``python -m bladed.bench.baseline``)
+The copy threads run in a child process (``python -m bladed_bench.baseline``)
 that the sweep places in the memory cgroup under test, exactly as the daemon
 is placed there in the bladed configurations: the page cache is charged to the
 process that touches the mmap pages.  The relay buffers are the same shared
@@ -41,6 +41,10 @@ import time
 from typing import Any
 
 import numpy as np
+
+from bladed.residency.geometry import Geometry
+from bladed.sizes import align_up
+from bladed_bench.repo import repo_env
 
 REQ = struct.Struct("<BiBii")           # op (1 read, 2 write, 0 quit), layer, kind (0 k, 1 v), token_start, ntokens
 REP = struct.Struct("<qqdi")            # nbytes, service_ns, hit_ratio (-1: unknown), errno (0 ok)
@@ -130,7 +134,7 @@ def _serve_channel(store: TorchDiskStore, sock: socket.socket, relay: np.ndarray
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bladed.bench.baseline")
+    ap = argparse.ArgumentParser(prog="python -m bladed_bench.baseline")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--geometry", required=True, help="JSON geometry")
     ap.add_argument("--memfd", type=int, required=True)
@@ -173,10 +177,10 @@ class TorchDiskClient:
                  launcher: Any = None, align: int = 4096) -> None:
         self.geometry = geometry
         self.channels = channels
-        tb = geometry["batch"] * geometry["kv_heads"] * geometry["head_dim"] * geometry["dtype_bytes"]
-        self.token_bytes = tb
-        self.kpu_bytes = tb * geometry["max_tokens"]
-        self.slot_stride = -(-self.kpu_bytes // align) * align
+        g = Geometry(**geometry)
+        self.token_bytes = g.token_bytes
+        self.kpu_bytes = g.kpu_bytes
+        self.slot_stride = align_up(self.kpu_bytes, align)
         size = self.slot_stride * channels
         self._memfd = os.memfd_create("bladed-bench-relay", os.MFD_CLOEXEC)
         os.ftruncate(self._memfd, size)
@@ -186,9 +190,7 @@ class TorchDiskClient:
         self._socks = [p[0] for p in pairs]
         child_fds = [p[1].fileno() for p in pairs]
         self._locks = [threading.Lock() for _ in range(channels)]
-        from bladed.bench.workload import repo_env
-
-        argv = [sys.executable, "-m", "bladed.bench.baseline", "--dir", directory, "--geometry",
+        argv = [sys.executable, "-m", "bladed_bench.baseline", "--dir", directory, "--geometry",
                 json.dumps(geometry), "--memfd", str(self._memfd), "--slot-stride", str(self.slot_stride),
                 "--channel-fds", ",".join(map(str, child_fds))]
         if launcher is not None:

@@ -15,8 +15,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from bladed.bench.metrics import summarize
-from bladed.bench.workload import CONFIGS, LABELS
+from bladed_bench.metrics import summarize
+from bladed_bench.workload import CONFIGS, LABELS
 
 GiB = 1 << 30
 ANALYSIS_RE = re.compile(r"<!-- analysis:begin -->.*?<!-- analysis:end -->", re.S)
@@ -348,12 +348,21 @@ def _verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("met" if ok else "**missed**")
 
 
-def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".", analysis: str | None = None,
-           title: str = "KV-cache offloading: reproducing the Dual-Blade evaluation") -> str:
+def sweep_limits(doc: dict[str, Any]) -> list[int]:
+    """The memory limits of the main sweep, lowest first (no unlimited point)."""
+    return sorted({r["limit_bytes"] for r in ok_runs(doc, "sweep") if r["limit_bytes"]})
+
+
+def _cell(doc: dict[str, Any], cfg: str, lim: int, field: str, digits: int = 2, scale: float = 1.0) -> str:
+    """``median [min-max]`` of ``field`` over the main sweep's runs of ``cfg`` at ``lim``."""
+    rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
+    return fmt(med(rs, field), digits, scale)
+
+
+def header_lines(doc: dict[str, Any], title: str) -> list[str]:
+    """Title, source, machine, workload, and the device ceilings measured in the sweep."""
     m, w = doc["machine"], doc["workload"]
     kv = w["kv_bytes"]
-    lims = sorted({r["limit_bytes"] for r in ok_runs(doc, "sweep") if r["limit_bytes"]})
-    lowest = lims[0] if lims else None
     fio_r = summarize(get(x, "fio.read_GBps") for x in doc["rounds"])
     fio_w = summarize(get(x, "fio.write_GBps") for x in doc["rounds"])
     pc = summarize(get(x, "pagecache.GBps") for x in doc["rounds"])
@@ -388,31 +397,33 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
              f"resident page-cache read (memcpy from a mapped file) **{fmt(pc)} GB/s**. Failed runs: {nerr}. "
              f"Read-back checks: {vchk - verr}/{vchk} stamps correct.")
     L.append("")
+    return L
 
-    # -- Fig. 10 ------------------------------------------------------------------------------
-    def cell(cfg: str, lim: int, field: str, digits: int = 2, scale: float = 1.0) -> str:
-        rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
-        return fmt(med(rs, field), digits, scale)
 
-    L += ["## Prefill and decode latency vs memory limit (Fig. 10)", "",
-          f"![Fig. 10]({png_dir_rel}/{png_prefix}-fig10.png)", ""]
+def latency_lines(doc: dict[str, Any], lims: list[int], png: Callable[[str], str]) -> list[str]:
+    """Fig. 10: prefill and decode latency of every configuration per limit (two tables)."""
+    L = ["## Prefill and decode latency vs memory limit (Fig. 10)", "", f"![Fig. 10]({png('fig10')})", ""]
     head = ["limit (GiB)", "B_pc (GiB)"] + [LABELS[c] for c in CONFIGS]
     for field, name in (("prefill_s", "Prefill latency (s)"), ("decode_s", "Decode latency (s)")):
         rows = []
         for lim in lims:
             bpc = med([r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim],
                       "target.plan.budget_bytes")
-            rows.append([gib(lim), fmt(bpc, 2, 1 / GiB, spread=False)] + [cell(c, lim, field) for c in CONFIGS])
+            rows.append([gib(lim), fmt(bpc, 2, 1 / GiB, spread=False)]
+                        + [_cell(doc, c, lim, field) for c in CONFIGS])
         L += [f"**{name}**", "", _table(head, rows), ""]
+    return L
 
-    # -- Fig. 3 / 11 --------------------------------------------------------------------------
-    L += ["## Page-cache hit ratio in decode (Fig. 3, Fig. 11)", "",
-          f"![Fig. 3]({png_dir_rel}/{png_prefix}-fig3.png)", "", f"![Fig. 11]({png_dir_rel}/{png_prefix}-fig11.png)",
-          "", "Hit ratio = page-cache-resident bytes / bytes read in decode (`cachestat(2)` on the exact range "
-          "just before each copy; NVMe-direct reads count as misses). *Fits* = min(1, B_pc / KV set) with the "
-          "B_pc the daemon computed (Eq. 1-2) at session open; *Group 1* = the share Algorithm 1 admitted then. The "
-          "daemon re-samples B_pc while the session runs and may demote Group 1 KPUs to the NVMe-direct path "
-          "(live re-planning); their reads then count as misses.", ""]
+
+def hit_ratio_lines(doc: dict[str, Any], lims: list[int], png: Callable[[str], str]) -> list[str]:
+    """Fig. 3 and Fig. 11: the decode hit ratio per limit against what fits, with Baseline's page cache."""
+    L = ["## Page-cache hit ratio in decode (Fig. 3, Fig. 11)", "",
+         f"![Fig. 3]({png('fig3')})", "", f"![Fig. 11]({png('fig11')})",
+         "", "Hit ratio = page-cache-resident bytes / bytes read in decode (`cachestat(2)` on the exact range "
+         "just before each copy; NVMe-direct reads count as misses). *Fits* = min(1, B_pc / KV set) with the "
+         "B_pc the daemon computed (Eq. 1-2) at session open; *Group 1* = the share Algorithm 1 admitted then. The "
+         "daemon re-samples B_pc while the session runs and may demote Group 1 KPUs to the NVMe-direct path "
+         "(live re-planning); their reads then count as misses.", ""]
     rows = []
     for lim in lims:
         f, g1 = fits_fraction(doc, lim), group1_fraction(doc, lim)
@@ -420,16 +431,18 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
                     "cgroup.page_cache_decode_median")
         dbr = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
         rows.append([gib(lim), "-" if f is None else f"{f:.2f}", "-" if g1 is None else f"{g1:.2f}"]
-                    + [cell(c, lim, "hit_ratio", 3) for c in CONFIGS]
+                    + [_cell(doc, c, lim, "hit_ratio", 3) for c in CONFIGS]
                     + [fmt(med(dbr, "target_end.session.demoted_kpus"), 0, spread=False),
                        fmt(med(dbr, "hit_by_path.pagecache.hit_ratio"), 3),
                        fmt(bl_pc, 2, 1 / GiB, spread=False)])
     L += [_table(["limit (GiB)", "fits", "Group 1"] + [LABELS[c] for c in CONFIGS]
                  + ["Dual-Blade KPUs demoted live", "Dual-Blade page-cache-path hit",
                     "Baseline page cache in decode (GiB)"], rows), ""]
+    return L
 
-    # -- targets ------------------------------------------------------------------------------
-    L += ["## Targets", ""]
+
+def decode_targets_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
+    """Targets: Dual-Blade decode against T_ideal, the Baseline and the better single path; hit ratio."""
     ideal_rows = []
     db = by_key(ok_runs(doc, "sweep", "dualblade"), lambda r: r["limit_bytes"])
     vs_base = paired(doc, "sweep", "dualblade", "baseline")
@@ -453,17 +466,23 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
             _verdict(None if not half or vb["median"] is None else vb["median"] <= 0.6),
             fmt(vbest), _verdict(None if vbest["median"] is None else vbest["median"] <= 1.0),
             fmt(hit, 3) + (f" vs 0.9x{f:.2f}" if f is not None else ""), _verdict(hit_ok)])
-    L += ["Per limit: Dual-Blade decode time against the two-tier ideal `T_ideal = Σ_steps (bytes_G1 / BW_pc + "
-          "bytes_G2 / BW_dev)` with BW_pc and BW_dev (fio sequential read) of the same round; against the "
-          "Baseline and against the better of CachePolicy-Only and NVMe-direct-Only (ratios of runs from the "
-          "same round, median [min-max]); hit ratio against 0.9 x the fraction that fits. *ratio (pooled)* uses "
-          "the medians of BW_pc and BW_dev over all rounds instead of the same round's single fio run.", "",
-          _table(["limit (GiB)", "Dual-Blade decode (s)", "T_ideal (s)", "ratio", "≤ 1.15", "ratio (pooled)",
-                  "÷ Baseline",
-                  "≤ 0.6", "÷ best(CP, Direct)", "≤ 1.0", "hit ratio", "≥ 0.9 x fits"], ideal_rows), ""]
+    return ["## Targets", "",
+            "Per limit: Dual-Blade decode time against the two-tier ideal `T_ideal = Σ_steps (bytes_G1 / BW_pc + "
+            "bytes_G2 / BW_dev)` with BW_pc and BW_dev (fio sequential read) of the same round; against the "
+            "Baseline and against the better of CachePolicy-Only and NVMe-direct-Only (ratios of runs from the "
+            "same round, median [min-max]); hit ratio against 0.9 x the fraction that fits. *ratio (pooled)* uses "
+            "the medians of BW_pc and BW_dev over all rounds instead of the same round's single fio run.", "",
+            _table(["limit (GiB)", "Dual-Blade decode (s)", "T_ideal (s)", "ratio", "≤ 1.15", "ratio (pooled)",
+                    "÷ Baseline",
+                    "≤ 0.6", "÷ best(CP, Direct)", "≤ 1.0", "hit ratio", "≥ 0.9 x fits"], ideal_rows), ""]
 
-    # throughput targets
+
+def direct_throughput_lines(doc: dict[str, Any]) -> list[str]:
+    """Targets: NVMe-direct-Only read and write throughput against fio's in the same round."""
+    fio_r = summarize(get(x, "fio.read_GBps") for x in doc["rounds"])
+    fio_w = summarize(get(x, "fio.write_GBps") for x in doc["rounds"])
     dr = ok_runs(doc, "sweep", "direct")
+
     def dev_ratio(r: dict[str, Any], field: str, op: str) -> float | None:
         dev = bw_dev(doc, r, op)
         val = get(r, field)
@@ -471,15 +490,19 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
 
     rd_ratio = summarize(dev_ratio(r, "throughput.decode_read_GBps", "read") for r in dr)
     wr_ratio = summarize(dev_ratio(r, "throughput.prefill_write_GBps", "write") for r in dr)
-    L += ["NVMe-direct-Only throughput against fio on the same filesystem in the same round (all limits; the "
-          "direct path does not depend on the limit). Throughput = bytes / union of the time the requests of "
-          "that kind were in flight (both channels).", "",
-          _table(["", "NVMe-direct-Only (GB/s)", "fio (GB/s)", "ratio", "≥ 0.9"], [
-              ["decode read", fmt(med(dr, "throughput.decode_read_GBps")), fmt(fio_r), fmt(rd_ratio),
-               _verdict(None if rd_ratio["median"] is None else rd_ratio["median"] >= 0.9)],
-              ["prefill write", fmt(med(dr, "throughput.prefill_write_GBps")), fmt(fio_w), fmt(wr_ratio),
-               _verdict(None if wr_ratio["median"] is None else wr_ratio["median"] >= 0.9)]]), ""]
+    return ["NVMe-direct-Only throughput against fio on the same filesystem in the same round (all limits; the "
+            "direct path does not depend on the limit). Throughput = bytes / union of the time the requests of "
+            "that kind were in flight (both channels).", "",
+            _table(["", "NVMe-direct-Only (GB/s)", "fio (GB/s)", "ratio", "≥ 0.9"], [
+                ["decode read", fmt(med(dr, "throughput.decode_read_GBps")), fmt(fio_r), fmt(rd_ratio),
+                 _verdict(None if rd_ratio["median"] is None else rd_ratio["median"] >= 0.9)],
+                ["prefill write", fmt(med(dr, "throughput.prefill_write_GBps")), fmt(fio_w), fmt(wr_ratio),
+                 _verdict(None if wr_ratio["median"] is None else wr_ratio["median"] >= 0.9)]]), ""]
 
+
+def append_latency_lines(doc: dict[str, Any]) -> list[str]:
+    """Targets: the one-token append's latency per path against a bare io_uring write, alone and contended."""
+    w = doc["workload"]
     bare = get(doc, "reference.bare_uring_write") or {}
     rows = []
     for cfg in CONFIGS:
@@ -502,24 +525,26 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
                          "-" if cratio is None else f"{cratio:.2f}",
                          f"{fmt(alone, 3, spread=False)} ({n_alone})", "-" if aratio is None else f"{aratio:.2f}",
                          f"{fmt(cont, 3, spread=False)} ({n_cont})"])
-    L += [f"Decode write (one-token append, {w['token_bytes'] // 1024} KiB) per-tensor latency against a bare "
-          f"in-process io_uring O_DIRECT write of the same size into fresh blocks of the same filesystem "
-          f"(bladed's Engine, one at a time): avg {bare.get('avg_ms', float('nan')):.3f} ms, "
-          f"p99 {bare.get('p99_ms', float('nan')):.3f} ms over {bare.get('n')} writes. *Server* = measured by "
-          f"the daemon (or the TorchDisk child) around the copy/I/O; *client* = round trip seen by the copy "
-          f"thread (adds the socket hop and queueing behind the same channel). *Alone* / *contended*: server "
-          f"latency of the appends during which the other channel had no / had a request in flight that went "
-          f"to the device (an NVMe-direct read or a page-cache read that missed), with the number of appends. "
-          f"Medians over all limits.", "",
-          _table(["config", "path", "server avg (ms)", "server p99 (ms)", "÷ bare", "client avg (ms)",
-                  "÷ bare", "alone avg (ms) (n)", "÷ bare", "contended avg (ms) (n)"], rows), ""]
+    return [f"Decode write (one-token append, {w['token_bytes'] // 1024} KiB) per-tensor latency against a bare "
+            f"in-process io_uring O_DIRECT write of the same size into fresh blocks of the same filesystem "
+            f"(bladed's Engine, one at a time): avg {bare.get('avg_ms', float('nan')):.3f} ms, "
+            f"p99 {bare.get('p99_ms', float('nan')):.3f} ms over {bare.get('n')} writes. *Server* = measured by "
+            f"the daemon (or the TorchDisk child) around the copy/I/O; *client* = round trip seen by the copy "
+            f"thread (adds the socket hop and queueing behind the same channel). *Alone* / *contended*: server "
+            f"latency of the appends during which the other channel had no / had a request in flight that went "
+            f"to the device (an NVMe-direct read or a page-cache read that missed), with the number of appends. "
+            f"Medians over all limits.", "",
+            _table(["config", "path", "server avg (ms)", "server p99 (ms)", "÷ bare", "client avg (ms)",
+                    "÷ bare", "alone avg (ms) (n)", "÷ bare", "contended avg (ms) (n)"], rows), ""]
 
-    # -- Table IV -----------------------------------------------------------------------------
-    L += [f"## Per-tensor I/O latency and device busy at the lowest limit, {gib(lowest)} GiB (Table IV)", "",
-          "Server-side latency per K or V request (avg / p99 in ms; medians of the per-run values). Decode reads "
-          "exclude page-cache hits (hit < 5 %), as in the paper. Busy = block-layer io_ticks of the disk during "
-          "each request / the request's duration, summed over the requests of that kind (the counters are "
-          "device-wide: other I/O on the machine counts too).", ""]
+
+def table4_lines(doc: dict[str, Any], lowest: int | None) -> list[str]:
+    """Table IV: per-tensor latency, device busy and server CPU per configuration at the lowest limit."""
+    L = [f"## Per-tensor I/O latency and device busy at the lowest limit, {gib(lowest)} GiB (Table IV)", "",
+         "Server-side latency per K or V request (avg / p99 in ms; medians of the per-run values). Decode reads "
+         "exclude page-cache hits (hit < 5 %), as in the paper. Busy = block-layer io_ticks of the disk during "
+         "each request / the request's duration, summed over the requests of that kind (the counters are "
+         "device-wide: other I/O on the machine counts too).", ""]
     rows = []
     for cfg in CONFIGS:
         rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lowest]
@@ -539,13 +564,16 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
                      fmt(med(rs, "cpu.s_per_GB"), 2, spread=False)])
     L += [_table(["config", "prefill W avg / p99", "decode R (misses) avg / p99", "decode W avg / p99",
                   "busy prefill W %", "busy decode R %", "busy decode W %", "server CPU s / GB"], rows), ""]
+    return L
 
-    # -- Fig. 12 ------------------------------------------------------------------------------
-    L += [f"## Device throughput over time at {gib(lowest)} GiB (Fig. 12)", "",
-          f"![Fig. 12]({png_dir_rel}/{png_prefix}-fig12.png)", "",
-          "Sampled every 100 ms from the disk's `/sys/block/*/stat` during the run with the median decode time "
-          "of each configuration. Phase averages (all repetitions, bytes moved by the disk / phase time; "
-          "busy = Δio_ticks / phase time):", ""]
+
+def fig12_lines(doc: dict[str, Any], lowest: int | None, png: Callable[[str], str]) -> list[str]:
+    """Fig. 12: device throughput over time at the lowest limit, and the phase averages per configuration."""
+    L = [f"## Device throughput over time at {gib(lowest)} GiB (Fig. 12)", "",
+         f"![Fig. 12]({png('fig12')})", "",
+         "Sampled every 100 ms from the disk's `/sys/block/*/stat` during the run with the median decode time "
+         "of each configuration. Phase averages (all repetitions, bytes moved by the disk / phase time; "
+         "busy = Δio_ticks / phase time):", ""]
     rows = []
     for cfg in CONFIGS:
         rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lowest]
@@ -557,107 +585,157 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
                                  / max(1, get(r, "bytes.decode_read") or 1)), 2)])
     L += [_table(["config", "prefill write GB/s", "prefill busy %", "decode read GB/s", "decode busy %",
                   "disk bytes read / bytes requested in decode"], rows), ""]
+    return L
 
-    # -- CPU ------------------------------------------------------------------------------------
+
+def cpu_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
+    """Server CPU time per GB moved, per configuration and limit."""
     rows = []
     for lim in lims:
-        rows.append([gib(lim)] + [cell(c, lim, "cpu.s_per_GB", 2) for c in CONFIGS])
-    L += ["## Server CPU time per GB moved", "",
-          "utime + stime of the process serving the I/O (bladed daemon, or the Baseline's TorchDisk child), "
-          "prefill + decode, divided by the bytes it moved. Kernel threads (writeback, kswapd, ext4 workers) "
-          "are not included.", "", _table(["limit (GiB)"] + [LABELS[c] for c in CONFIGS], rows), ""]
+        rows.append([gib(lim)] + [_cell(doc, c, lim, "cpu.s_per_GB", 2) for c in CONFIGS])
+    return ["## Server CPU time per GB moved", "",
+            "utime + stime of the process serving the I/O (bladed daemon, or the Baseline's TorchDisk child), "
+            "prefill + decode, divided by the bytes it moved. Kernel threads (writeback, kswapd, ext4 workers) "
+            "are not included.", "", _table(["limit (GiB)"] + [LABELS[c] for c in CONFIGS], rows), ""]
 
-    # -- pipeline ---------------------------------------------------------------------------------
+
+def pipeline_lines(doc: dict[str, Any]) -> list[str]:
+    """Pipeline parallelism on/off for every configuration (the ``pipeline`` study; nothing without it)."""
     pp = ok_runs(doc, "pipeline")
-    if pp:
-        main_pl = doc["plan"]["points"][0]["pipeline"]
-        L += ["## Pipeline parallelism on/off, all configurations", "",
-              f"Decode latency (s) with the main sweep's `{main_pl}` and without (`off`: read, DMA, read, DMA "
-              f"one after another), at the same limits; ratio = on / off of runs in the same round.", ""]
-        rows = []
-        for lim in sorted({r["limit_bytes"] for r in pp}):
-            for cfg in CONFIGS:
-                on = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
-                off = [r for r in pp if r["config"] == cfg and r["limit_bytes"] == lim]
-                if not off:
-                    continue
-                pairs = []
-                offs = {r.get("round"): r for r in off}
-                for r in on:
-                    o = offs.get(r.get("round"))
-                    if o:
-                        pairs.append(r["decode_s"] / o["decode_s"])
-                pls = sorted({r["pipeline"] for r in off})
-                dec = [json.dumps(get(r, "pipeline_report.decision")) for r in on]
-                rows.append([gib(lim), LABELS[cfg], fmt(med(off, "decode_s")) + f" ({'/'.join(pls)})",
-                             fmt(med(on, "decode_s")), fmt(summarize(pairs)),
-                             max(set(dec), key=dec.count) if dec else "-"])
-        L += [_table(["limit (GiB)", "config", "decode w/o P·P", "decode w/ P·P", "ratio", "decision (most runs)"],
-                     rows), ""]
-
-    diag = {"headroom": ("budget headroom", "`budget.override` below the B_pc of Eq. 1-2 (the limit less 2 M_pin, "
-                         "32 MiB for the daemon and a further fraction of the limit; see `plan.points`)"),
-            "noreplan": ("live re-planning off", "`budget.live_replan = false`: the plan made at session open "
-                         "is kept for the whole run")}
-    for study, (name, how) in diag.items():
-        hr = ok_runs(doc, study)
-        if not hr:
-            continue
-        L += [f"## Dual-Blade with {name} (diagnostic)", "",
-              f"Dual-Blade as in the main sweep (*as-is*) and with {how}, at the same limits. *Demoted* = KPUs the "
-              "daemon moved from Group 1 to the NVMe-direct path during the run (live re-planning); *page-cache "
-              "hit* = hit ratio of the reads served on the page-cache path. Ratio = variant / as-is of runs in the "
-              "same round.", ""]
-        rows = []
-        for lim in sorted({r["limit_bytes"] for r in hr}):
-            h = [r for r in hr if r["limit_bytes"] == lim]
-            base = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
-            bases = {r.get("round"): r for r in base}
-            pairs = [r["decode_s"] / bases[r.get("round")]["decode_s"] for r in h if r.get("round") in bases]
-            for label, rs in (("as-is", base), (name, h)):
-                rows.append([gib(lim), label, fmt(med(rs, "target.plan.budget_bytes"), 2, 1 / GiB, spread=False),
-                             fmt(med(rs, "target.plan.group1_bytes"), 2, 1 / GiB, spread=False),
-                             fmt(med(rs, "target_end.session.demoted_kpus"), 0),
-                             fmt(med(rs, "hit_by_path.pagecache.hit_ratio"), 3), fmt(med(rs, "hit_ratio"), 3),
-                             fmt(med(rs, "decode_s")), fmt(summarize(pairs)) if label == name else ""])
-        L += [_table(["limit (GiB)", "Dual-Blade", "B_pc at open (GiB)", "Group 1 at open (GiB)", "demoted",
-                      "page-cache hit", "hit ratio", "decode (s)", "ratio"], rows), ""]
-
-    al = ok_runs(doc, "alpha")
-    if al:
-        L += ["## Adaptive pipeline at alpha = B_pc / KV (Table V)", "",
-              f"![Table V]({png_dir_rel}/{png_prefix}-table5.png)", "",
-              "Dual-Blade with `budget.override = alpha x KV set` (so Group 1 holds alpha of the KV set) and a cgroup "
-              "limit of that plus 2 M_pin plus 256 MiB. Decode latency (s); ratio = with / without P·P of runs "
-              "in the same round; the decision is the adaptive pipeline's choice per group after its trial "
-              "iterations (2: overlap-intra, 3: overlap-cross), with the measured throughputs (GB/s) of the "
-              "trials.", ""]
-        rows = []
-        for a in sorted({r["alpha"] for r in al}):
-            ra = [r for r in al if r["alpha"] == a]
-            off = [r for r in ra if r["pipeline"] == "off"]
-            on = [r for r in ra if r["pipeline"] != "off"]
+    if not pp:
+        return []
+    main_pl = doc["plan"]["points"][0]["pipeline"]
+    L = ["## Pipeline parallelism on/off, all configurations", "",
+         f"Decode latency (s) with the main sweep's `{main_pl}` and without (`off`: read, DMA, read, DMA "
+         f"one after another), at the same limits; ratio = on / off of runs in the same round.", ""]
+    rows = []
+    for lim in sorted({r["limit_bytes"] for r in pp}):
+        for cfg in CONFIGS:
+            on = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
+            off = [r for r in pp if r["config"] == cfg and r["limit_bytes"] == lim]
+            if not off:
+                continue
+            pairs = []
             offs = {r.get("round"): r for r in off}
-            pairs = [r["decode_s"] / offs[r.get("round")]["decode_s"] for r in on if r.get("round") in offs]
-            dec = [json.dumps(get(r, "pipeline_report.decision"), sort_keys=True) for r in on]
-            intra = [get(r, "pipeline_report.intra_GBps") for r in on]
-            cross = [get(r, "pipeline_report.cross_GBps") for r in on]
-            groups = sorted({g for d in intra + cross if d for g in d})
-            trial = "; ".join(
-                f"G{g}: intra {fmt(summarize((d or {}).get(g) for d in intra), 2, spread=False)}, "
-                f"cross {fmt(summarize((d or {}).get(g) for d in cross), 2, spread=False)}" for g in groups)
-            rows.append([f"{a}", fmt(med(ra, "target.plan.group1_bytes"), 2, 1 / GiB, spread=False),
-                         fmt(med(off, "decode_s")), fmt(med(on, "decode_s")), fmt(summarize(pairs)),
-                         max(set(dec), key=dec.count) if dec else "-", trial])
-        L += [_table(["alpha", "Group 1 (GiB)", "w/o P·P", "w/ P·P", "ratio", "decision (most runs)",
-                      "trial throughput (median)"], rows), ""]
+            for r in on:
+                o = offs.get(r.get("round"))
+                if o:
+                    pairs.append(r["decode_s"] / o["decode_s"])
+            pls = sorted({r["pipeline"] for r in off})
+            dec = [json.dumps(get(r, "pipeline_report.decision")) for r in on]
+            rows.append([gib(lim), LABELS[cfg], fmt(med(off, "decode_s")) + f" ({'/'.join(pls)})",
+                         fmt(med(on, "decode_s")), fmt(summarize(pairs)),
+                         max(set(dec), key=dec.count) if dec else "-"])
+    L += [_table(["limit (GiB)", "config", "decode w/o P·P", "decode w/ P·P", "ratio", "decision (most runs)"],
+                 rows), ""]
+    return L
 
-    L += ["## Analysis", "", analysis or "<!-- analysis:begin -->\n(to be written)\n<!-- analysis:end -->", ""]
-    L += ["## Reproduce", "", "```", "sudo python3 tools/bench_kv.py sweep --json docs/bench/kv-sweep-DATE.json",
-          "python3 tools/bench_kv.py report docs/bench/kv-sweep-DATE.json --out docs/bench/kv-report.md", "```",
-          "", "All options: `python3 tools/bench_kv.py sweep --help`. The plan of this sweep (every point, "
-          "repetitions, probe sizes) is in the JSON under `plan`.", ""]
-    return "\n".join(L)
+
+#: the diagnostic studies of Dual-Blade alone: study -> (name, how it differs from the main sweep)
+DIAGNOSTICS = {
+    "headroom": ("budget headroom", "`budget.override` below the B_pc of Eq. 1-2 (the limit less 2 M_pin, "
+                 "32 MiB for the daemon and a further fraction of the limit; see `plan.points`)"),
+    "noreplan": ("live re-planning off", "`budget.live_replan = false`: the plan made at session open "
+                 "is kept for the whole run"),
+}
+
+
+def diagnostic_lines(doc: dict[str, Any], study: str) -> list[str]:
+    """One diagnostic study (:data:`DIAGNOSTICS`) against the main sweep's Dual-Blade; nothing without it."""
+    name, how = DIAGNOSTICS[study]
+    hr = ok_runs(doc, study)
+    if not hr:
+        return []
+    L = [f"## Dual-Blade with {name} (diagnostic)", "",
+         f"Dual-Blade as in the main sweep (*as-is*) and with {how}, at the same limits. *Demoted* = KPUs the "
+         "daemon moved from Group 1 to the NVMe-direct path during the run (live re-planning); *page-cache "
+         "hit* = hit ratio of the reads served on the page-cache path. Ratio = variant / as-is of runs in the "
+         "same round.", ""]
+    rows = []
+    for lim in sorted({r["limit_bytes"] for r in hr}):
+        h = [r for r in hr if r["limit_bytes"] == lim]
+        base = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
+        bases = {r.get("round"): r for r in base}
+        pairs = [r["decode_s"] / bases[r.get("round")]["decode_s"] for r in h if r.get("round") in bases]
+        for label, rs in (("as-is", base), (name, h)):
+            rows.append([gib(lim), label, fmt(med(rs, "target.plan.budget_bytes"), 2, 1 / GiB, spread=False),
+                         fmt(med(rs, "target.plan.group1_bytes"), 2, 1 / GiB, spread=False),
+                         fmt(med(rs, "target_end.session.demoted_kpus"), 0),
+                         fmt(med(rs, "hit_by_path.pagecache.hit_ratio"), 3), fmt(med(rs, "hit_ratio"), 3),
+                         fmt(med(rs, "decode_s")), fmt(summarize(pairs)) if label == name else ""])
+    L += [_table(["limit (GiB)", "Dual-Blade", "B_pc at open (GiB)", "Group 1 at open (GiB)", "demoted",
+                  "page-cache hit", "hit ratio", "decode (s)", "ratio"], rows), ""]
+    return L
+
+
+def table5_lines(doc: dict[str, Any], png: Callable[[str], str]) -> list[str]:
+    """Table V: the adaptive pipeline at alpha = B_pc / KV (the ``alpha`` study; nothing without it)."""
+    al = ok_runs(doc, "alpha")
+    if not al:
+        return []
+    L = ["## Adaptive pipeline at alpha = B_pc / KV (Table V)", "",
+         f"![Table V]({png('table5')})", "",
+         "Dual-Blade with `budget.override = alpha x KV set` (so Group 1 holds alpha of the KV set) and a cgroup "
+         "limit of that plus 2 M_pin plus 256 MiB. Decode latency (s); ratio = with / without P·P of runs "
+         "in the same round; the decision is the adaptive pipeline's choice per group after its trial "
+         "iterations (2: overlap-intra, 3: overlap-cross), with the measured throughputs (GB/s) of the "
+         "trials.", ""]
+    rows = []
+    for a in sorted({r["alpha"] for r in al}):
+        ra = [r for r in al if r["alpha"] == a]
+        off = [r for r in ra if r["pipeline"] == "off"]
+        on = [r for r in ra if r["pipeline"] != "off"]
+        offs = {r.get("round"): r for r in off}
+        pairs = [r["decode_s"] / offs[r.get("round")]["decode_s"] for r in on if r.get("round") in offs]
+        dec = [json.dumps(get(r, "pipeline_report.decision"), sort_keys=True) for r in on]
+        intra = [get(r, "pipeline_report.intra_GBps") for r in on]
+        cross = [get(r, "pipeline_report.cross_GBps") for r in on]
+        groups = sorted({g for d in intra + cross if d for g in d})
+        trial = "; ".join(
+            f"G{g}: intra {fmt(summarize((d or {}).get(g) for d in intra), 2, spread=False)}, "
+            f"cross {fmt(summarize((d or {}).get(g) for d in cross), 2, spread=False)}" for g in groups)
+        rows.append([f"{a}", fmt(med(ra, "target.plan.group1_bytes"), 2, 1 / GiB, spread=False),
+                     fmt(med(off, "decode_s")), fmt(med(on, "decode_s")), fmt(summarize(pairs)),
+                     max(set(dec), key=dec.count) if dec else "-", trial])
+    L += [_table(["alpha", "Group 1 (GiB)", "w/o P·P", "w/ P·P", "ratio", "decision (most runs)",
+                  "trial throughput (median)"], rows), ""]
+    return L
+
+
+def closing_lines(analysis: str | None) -> list[str]:
+    """The analysis (hand-written, kept across regenerations) and how to reproduce the sweep."""
+    return ["## Analysis", "", analysis or "<!-- analysis:begin -->\n(to be written)\n<!-- analysis:end -->", "",
+            "## Reproduce", "", "```", "sudo python3 tools/bench_kv.py sweep --json docs/bench/kv-sweep-DATE.json",
+            "python3 tools/bench_kv.py report docs/bench/kv-sweep-DATE.json --out docs/bench/kv-report.md", "```",
+            "", "All options: `python3 tools/bench_kv.py sweep --help`. The plan of this sweep (every point, "
+            "repetitions, probe sizes) is in the JSON under `plan`.", ""]
+
+
+def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".", analysis: str | None = None,
+           title: str = "KV-cache offloading: reproducing the Dual-Blade evaluation") -> str:
+    """The Markdown report: the sections below, one function per table or figure."""
+
+    def png(name: str) -> str:
+        return f"{png_dir_rel}/{png_prefix}-{name}.png"
+
+    lims = sweep_limits(doc)
+    lowest = lims[0] if lims else None
+    sections = [
+        header_lines(doc, title),
+        latency_lines(doc, lims, png),
+        hit_ratio_lines(doc, lims, png),
+        decode_targets_lines(doc, lims),
+        direct_throughput_lines(doc),
+        append_latency_lines(doc),
+        table4_lines(doc, lowest),
+        fig12_lines(doc, lowest, png),
+        cpu_lines(doc, lims),
+        pipeline_lines(doc),
+        *(diagnostic_lines(doc, study) for study in DIAGNOSTICS),
+        table5_lines(doc, png),
+        closing_lines(analysis),
+    ]
+    return "\n".join(line for section in sections for line in section)
 
 
 def write_report(doc: dict[str, Any], md_path: str, *, png_prefix: str = "kv") -> list[str]:
@@ -669,7 +747,7 @@ def write_report(doc: dict[str, Any], md_path: str, *, png_prefix: str = "kv") -
         with open(md_path) as f:
             m = ANALYSIS_RE.search(f.read())
             analysis = m.group(0) if m else None
-    lims = sorted({r["limit_bytes"] for r in ok_runs(doc, "sweep") if r["limit_bytes"]})
+    lims = sweep_limits(doc)
     files = []
     plots: list[tuple[str, Callable[[dict[str, Any], str], None]]] = [
         ("fig3", plot_fig3), ("fig10", plot_fig10), ("fig11", plot_fig11),

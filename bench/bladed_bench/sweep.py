@@ -32,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bladed.bench import environment, probes
-from bladed.bench.cgroup import MemCgroup, can_drop_caches, drop_caches
-from bladed.bench.metrics import (
+from bladed.sizes import PAGE_SIZE, align_up
+from bladed_bench import environment, probes
+from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
+from bladed_bench.metrics import (
     DiskSampler,
     block_device_of,
     latency_stats,
@@ -42,9 +43,9 @@ from bladed.bench.metrics import (
     union_seconds,
     wait_device_idle,
 )
-from bladed.bench.workload import (
+from bladed_bench.repo import REPO
+from bladed_bench.workload import (
     LABELS,
-    REPO,
     BladedTarget,
     KVTarget,
     OpRecord,
@@ -111,7 +112,7 @@ DAEMON_ANON_ESTIMATE = 32 * MiB
 
 def headroom_override(limit: int, kpu_bytes: int, frac: float, channels: int = 2) -> int:
     """A page-cache budget ``frac`` of the limit below what Eq. 1-2 gives (for the headroom study)."""
-    stride = -(-kpu_bytes // 4096) * 4096
+    stride = align_up(kpu_bytes, PAGE_SIZE)
     return max(0, int(limit - channels * stride - DAEMON_ANON_ESTIMATE - frac * limit))
 
 
@@ -143,7 +144,7 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
 
 def machine_info(workdir: str) -> dict[str, Any]:
     """The machine, and the filesystem and disk under ``workdir``."""
-    git = environment.git_info(REPO, ("bladed", "cffi_build"))
+    git = environment.git_info(REPO, ("bladed", "cffi_build", "bench"))
     return environment.machine_info() | {
         "fio": probes.fio_version(), "disk": environment.disk_info(block_device_of(workdir)),
         "filesystem": environment.filesystem_of(workdir), "git_commit": git["commit"], "git_dirty": git["dirty"],
@@ -259,7 +260,7 @@ class Runner:
             extra.setdefault("budget", {})["override"] = p.budget_override
         if p.live_replan is not None:
             extra.setdefault("budget", {})["live_replan"] = p.live_replan
-        store = self.plan.store_bytes or (-(-(spec.kv_bytes + 256 * MiB) // MiB) * MiB)
+        store = self.plan.store_bytes or align_up(spec.kv_bytes + 256 * MiB, MiB)
         return BladedTarget(p.config, spec, state_dir, store_bytes=store, launcher=launcher, daemon_config=extra)
 
     def run_point(self, p: Point, rep: int, keep_series: bool) -> dict[str, Any]:

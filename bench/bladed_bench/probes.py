@@ -23,8 +23,8 @@ import subprocess
 import time
 from typing import Any
 
-from bladed.bench.metrics import latency_stats
 from bladed.sizes import align_up, ceil_div
+from bladed_bench.metrics import latency_stats
 
 MiB = 1 << 20
 
