@@ -1,8 +1,9 @@
 """Helpers for tests that run a real bladed process and real client processes.
 
-* :class:`DaemonProcess` starts ``python -m bladed.server`` with a config,
-  waits for its ``READY=1`` on a notify socket the test owns (as systemd
-  would), collects its log lines and structured events, and stops it with
+* :class:`DaemonProcess` starts ``python -m bladed.server`` with a config
+  (through :class:`bladed.spawn.PrivateDaemon`, which waits for its
+  ``READY=1`` on a notify socket the test owns, as systemd would), collects
+  its log lines, notifications and structured events, and stops it with
   SIGTERM or SIGKILL.
 * :class:`ClientProcess` runs this file as a separate client process that
   executes JSON commands read from stdin (connect, open, write, read-and-check,
@@ -23,7 +24,6 @@ import queue
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from bladed.spawn import PrivateDaemon, SpawnError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT = 60.0
@@ -165,11 +167,15 @@ class DaemonProcess:
             self.config.setdefault(section, {}).update(keys)
         self.config_path = os.path.join(state_dir, "bladed.toml")
         self.notify_path = os.path.join(state_dir, "notify.sock")
-        self.proc: subprocess.Popen[str] | None = None
+        self.daemon: PrivateDaemon | None = None
         self.lines: list[str] = []
         self.notifications: list[str] = []
         self._cond = threading.Condition()
-        self._notify: socket.socket | None = None
+        self._log_reader: threading.Thread | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[str] | None:
+        return None if self.daemon is None else self.daemon.proc
 
     @property
     def socket_path(self) -> str:
@@ -188,23 +194,22 @@ class DaemonProcess:
     def start(self, *, wait: bool = True, timeout: float = STARTUP_TIMEOUT) -> DaemonProcess:
         if not self.embedded:
             self.write_config()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.notify_path)
-        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._notify.bind(self.notify_path)
-        env = env_with_repo()
-        env["NOTIFY_SOCKET"] = self.notify_path
-        env.update(self.extra_env)
         self.lines = []
-        self.notifications = []
         args = [] if self.embedded else ["--config", self.config_path, "--state-dir", self.state_dir]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bladed.server", *args], cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read_log, args=(self.proc,), daemon=True).start()
-        threading.Thread(target=self._read_notify, args=(self._notify,), daemon=True).start()
+        daemon = self.daemon = PrivateDaemon(args, env={**env_with_repo(), **self.extra_env}, cwd=self.cwd,
+                                             notify_path=self.notify_path).start()
+        self.notifications = daemon.notifications  # wait_ready's, then _read_notify's
+        assert daemon.proc is not None and daemon.notify_socket is not None
+        self._log_reader = threading.Thread(target=self._read_log, args=(daemon.proc,), daemon=True)
+        self._log_reader.start()
         if wait:
-            self.wait_notify("READY=1", timeout)
+            try:
+                daemon.wait_ready(timeout)
+            except SpawnError as e:
+                if daemon.proc.poll() is not None:
+                    self._log_reader.join(5)  # the log up to its end
+                raise AssertionError(f"{e}:\n" + self.log_tail()) from None
+        threading.Thread(target=self._read_notify, args=(daemon.notify_socket,), daemon=True).start()
         return self
 
     def _read_log(self, proc: subprocess.Popen[str]) -> None:
@@ -240,10 +245,10 @@ class DaemonProcess:
                     if got:
                         return got
                     raise AssertionError(f"bladed exited ({self.proc.returncode}) while waiting for {what}:\n"
-                                         + "\n".join(self.lines[-40:]))
+                                         + self.log_tail())
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"timed out waiting for {what}; log:\n" + "\n".join(self.lines[-40:]))
+                    raise AssertionError(f"timed out waiting for {what}; log:\n" + self.log_tail())
                 self._cond.wait(min(left, 0.5))
 
     def wait_notify(self, item: str, timeout: float = 30.0) -> None:
@@ -284,26 +289,20 @@ class DaemonProcess:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
-        self._close_notify()
+        """SIGTERM and wait (SIGKILL after ``timeout`` s); returns the exit status."""
+        assert self.daemon is not None
+        rc = self.daemon.stop(timeout)
+        assert rc is not None
         return rc
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(30)
-        self._close_notify()
+        assert self.daemon is not None and self.daemon.proc is not None
+        self.daemon.proc.kill()
+        self.daemon.stop()
 
-    def _close_notify(self) -> None:
-        if self._notify is not None:
-            with contextlib.suppress(OSError):
-                self._notify.shutdown(socket.SHUT_RDWR)
-            self._notify.close()
-            self._notify = None
+    def log_tail(self, n: int = 40) -> str:
+        with self._cond:
+            return "\n".join(self.lines[-n:])
 
     def log(self) -> str:
         with self._cond:

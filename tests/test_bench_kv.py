@@ -15,7 +15,7 @@ import pathlib
 
 import pytest
 
-from bladed_bench.cli import main
+from bladed_bench.main import main
 from bladed_bench.metrics import percentile, summarize, union_seconds
 from bladed_bench.workload import CONFIGS
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from bladed.hf import BladedCache, geometry_for
 from bladed.kvstore import Kind, KVOp, MemoryKV
-from bladed.runner.cli import spawned_daemon
+from bladed.runner.main import spawned_daemon
 
 
 class CountingKV(MemoryKV):

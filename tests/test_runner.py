@@ -27,8 +27,8 @@ from runner_util import (
 )
 
 from bladed.kvstore import BladedKV, Geometry, MemoryKV
-from bladed.runner.cli import main, spawned_daemon
 from bladed.runner.engine import GenerationResult
+from bladed.runner.main import main, spawned_daemon
 from bladed.runner.models import DecoderModel, ModelConfig
 
 DTYPES = [torch.float32, torch.bfloat16]

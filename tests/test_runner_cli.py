@@ -33,7 +33,7 @@ from runner_util import CONFIGS, hf_model
 from bladed.client import Client
 from bladed.config import find_socket
 from bladed.protocol import DaemonLostError
-from bladed.runner.cli import DAEMON_LOG, build_parser
+from bladed.runner.main import DAEMON_LOG, build_parser
 from bladed.runner.weights import MODEL_CHOICES
 
 PROG = "bladed-runner"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bladed.kvstore import BladedKV, Geometry
-from bladed.runner.cli import spawned_daemon
 from bladed.runner.engine import Policy, Runner
+from bladed.runner.main import spawned_daemon
 from bladed.runner.weights import load_model, smollm2_dir
 
 

@@ -41,7 +41,7 @@ from bladed.io import Engine, StagingBuffer  # noqa: E402
 from bladed.io.file import FileDevice  # noqa: E402
 from bladed.protocol import HEADER, IO_FORMAT, MAGIC  # noqa: E402
 from bladed_bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
-from bladed_bench.workload import DaemonProcess  # noqa: E402
+from bladed_bench.workload import BenchDaemon  # noqa: E402
 
 #: one token row of 4 KiB (a whole LBA): 8 KV heads x 128 x fp16 x batch 2
 GEO = {"layers": 16, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 256}
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     tb = kpu // GEO["max_tokens"]
     L = GEO["layers"]
     rounds: list[dict[str, float]] = []
-    daemon = DaemonProcess(os.path.join(base, "state"), store_bytes=256 << 20, extra={"budget": {"override": 1 << 30}})
+    daemon = BenchDaemon(os.path.join(base, "state"), store_bytes=256 << 20, extra={"budget": {"override": 1 << 30}})
     pp = PingPong()
     bare_dev = FileDevice(os.path.join(base, "bare.img"), 256 << 20, lba_size=4096)
     bare_buf = StagingBuffer(max(BULK, 1 << 20))

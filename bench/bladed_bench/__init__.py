@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None, prog: str = "bench_kv") -> int:
-    from bladed_bench.cli import main as _main
+    from bladed_bench.main import main as _main
 
     return _main(argv, prog)
 

@@ -241,7 +241,7 @@ def summarize_trace(trace: RunTrace) -> dict[str, Any]:
     }
 
 
-class Runner:
+class SweepRunner:
     """Runs points, one cold run at a time, and collects the records."""
 
     def __init__(self, plan: SweepPlan, progress: Callable[[str], None] | None = None) -> None:
@@ -352,7 +352,7 @@ class Runner:
 def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
               bare_write: bool = True) -> dict[str, Any]:
     """Run every point ``plan.reps`` times (see the module doc); write the JSON after every run."""
-    runner = Runner(plan)
+    runner = SweepRunner(plan)
     spec = plan.spec
     doc: dict[str, Any] = {
         "schema": SCHEMA,
@@ -439,8 +439,8 @@ def _json_default(o: Any) -> Any:
 __all__ = [
     "SCHEMA",
     "Point",
-    "Runner",
     "SweepPlan",
+    "SweepRunner",
     "balanced_order",
     "default_points",
     "headroom_override",

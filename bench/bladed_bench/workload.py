@@ -35,10 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +46,7 @@ import numpy as np
 
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadJob
 from bladed.residency.geometry import Geometry
+from bladed.spawn import PrivateDaemon
 from bladed_bench.baseline import OP_READ, OP_WRITE, TorchDiskClient
 from bladed_bench.metrics import DiskStat, cpu_seconds, rss_bytes
 from bladed_bench.repo import REPO, repo_env
@@ -159,8 +156,9 @@ class KVTarget(Protocol):
 
 # -- bladed --------------------------------------------------------------------------------
 
-class DaemonProcess:
-    """``python -m bladed.server`` for one run, started through an optional cgroup launcher."""
+class BenchDaemon:
+    """A private bladed (:class:`bladed.spawn.PrivateDaemon`) for one run, on a file store in ``state_dir``,
+    started through an optional cgroup launcher."""
 
     def __init__(self, state_dir: str, store_bytes: int, launcher: Callable[[list[str]], list[str]] | None = None,
                  extra: dict[str, dict[str, Any]] | None = None, timeout: float = 120.0) -> None:
@@ -180,60 +178,28 @@ class DaemonProcess:
                 for k, v in keys.items():
                     f.write(f"{k} = {json.dumps(v)}\n")
         self.socket_path = os.path.join(state_dir, "bladed.sock")
-        notify_path = os.path.join(state_dir, "notify.sock")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(notify_path)
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        notify.bind(notify_path)
-        env = repo_env()
-        env["NOTIFY_SOCKET"] = notify_path
-        argv = [sys.executable, "-m", "bladed.server", "--config", self.config_path, "--state-dir", state_dir]
-        if launcher is not None:
-            argv = launcher(argv)
         self.log_path = os.path.join(state_dir, "bladed.log")
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.daemon = PrivateDaemon(["--config", self.config_path, "--state-dir", state_dir], env=repo_env(),
+                                    cwd=REPO, wrap=launcher, log_path=self.log_path, log_mode="w",
+                                    notify_path=os.path.join(state_dir, "notify.sock"))
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        self.daemon.start()
         try:
-            deadline = time.monotonic() + timeout
-            got = b""
-            while b"READY=1" not in got:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise RuntimeError(f"bladed did not become ready (exit status {self.proc.poll()}); "
-                                       f"log:\n{self.log_tail()}")
-                notify.settimeout(min(left, 1.0))
-                with contextlib.suppress(TimeoutError):
-                    got += notify.recv(4096) + b"\n"
+            self.daemon.wait_ready(timeout)
         except BaseException:
-            self.stop()
+            self.daemon.stop()
             raise
-        finally:
-            notify.close()
         self.startup_s = time.perf_counter() - t0
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.daemon.pid
 
     def log_tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
+        return self.daemon.log_tail(n)
 
     def stop(self, timeout: float = 120.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return self.daemon.stop(timeout)
 
 
 class BladedTarget:
@@ -246,7 +212,7 @@ class BladedTarget:
 
         self.config = mode
         self.channels = spec.channels
-        self.daemon = DaemonProcess(state_dir, store_bytes, launcher, daemon_config)
+        self.daemon = BenchDaemon(state_dir, store_bytes, launcher, daemon_config)
         try:
             t0 = time.perf_counter()
             self.client = Client(self.daemon.socket_path, timeout=600.0, name="bladed-bench")
@@ -553,5 +519,5 @@ class Workload:
         return trace
 
 
-__all__ = ["CONFIGS", "LABELS", "BladedTarget", "DaemonProcess", "KVTarget", "OpRecord", "RunTrace",
+__all__ = ["CONFIGS", "LABELS", "BenchDaemon", "BladedTarget", "KVTarget", "OpRecord", "RunTrace",
            "TorchDiskTarget", "Workload", "WorkloadSpec"]

@@ -1,7 +1,7 @@
 """FlexLLMGen-style runner: a PyTorch decoder (OPT, LLaMA/GQA) with its KV cache in bladed.
 
 Entry point: ``python -m bladed.runner`` (console script ``bladed-runner`` =
-``bladed.runner.cli:main``).  The names below are imported on first use, so
+``bladed.runner.main:main``).  The names below are imported on first use, so
 that ``bladed-runner --help`` and its usage errors do not wait for torch.
 """
 

@@ -1,5 +1,5 @@
 """``python -m bladed.runner``."""
 
-from bladed.runner.cli import main
+from bladed.runner.main import main
 
 raise SystemExit(main())

@@ -11,13 +11,9 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +29,7 @@ from bladed.runner.engine import GenerationResult, Policy, Runner
 from bladed.runner.models import gib, kv_bytes
 from bladed.runner.progress import Progress
 from bladed.runner.weights import MODEL_CHOICES, SMOLLM2, load_model, model_kind, smollm2_gguf
+from bladed.spawn import PrivateDaemon, SpawnError
 
 PROG = "bladed-runner"
 MODES = ("baseline", "cachepolicy", "direct", "dualblade")
@@ -68,10 +65,6 @@ Progress goes to stderr (one updating line on a terminal), results to stdout."""
 
 class UsageError(Exception):
     """A flag value the runner refuses before running anything (exit 2)."""
-
-
-class DaemonSpawnError(RuntimeError):
-    """The daemon started by ``--spawn-daemon`` did not come up (exit 4)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -222,63 +215,24 @@ def daemon_log(state_dir: str) -> str:
 
 @contextlib.contextmanager
 def spawned_daemon(state_dir: str, timeout: float = 60.0) -> Iterator[str]:
-    """Run ``python -m bladed.server --state-dir DIR`` for the duration; yields its socket path.
+    """Run ``python -m bladed.server --state-dir DIR`` for the duration (:class:`bladed.spawn.PrivateDaemon`);
+    yields its socket path.
 
-    Ready means the daemon's own ``READY=1`` (sd_notify, to a socket of this process), so neither a
-    stale socket nor another daemon's is taken for it; a daemon that exits first raises
-    DaemonSpawnError with the last line of its log. It runs in a process group of its own: a
-    terminal's Ctrl-C reaches the runner alone, which closes its sessions before it stops the
-    daemon (SIGTERM, SIGKILL after 30 s).
+    A daemon that exits before its ``READY=1`` raises SpawnError with the last line of its log. It runs in
+    a process group of its own: a terminal's Ctrl-C reaches the runner alone, which closes its sessions
+    before it stops the daemon (SIGTERM, SIGKILL after 30 s).
     """
     os.makedirs(state_dir, exist_ok=True)
     from bladed.config import load_config
 
     sock = load_config(None, state_dir=os.path.abspath(state_dir)).socket_path  # the embedded default's
-    log_path = daemon_log(state_dir)
-    log = open(log_path, "ab")  # noqa: SIM115 - closed in the finally below
-    start = log.tell()
-    name = f"bladed-runner-{os.getpid()}-{secrets.token_hex(4)}"
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-    notify.bind("\0" + name)  # an abstract address: nothing to clean up on disk
-    env = dict(os.environ, NOTIFY_SOCKET="@" + name)
-    proc = subprocess.Popen([sys.executable, "-m", "bladed.server", "--state-dir", state_dir], env=env,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+    daemon = PrivateDaemon(["--state-dir", state_dir], log_path=daemon_log(state_dir), own_group=True,
+                           name="the bladed started for --spawn-daemon")
     try:
-        deadline = time.monotonic() + timeout
-        got: list[bytes] = []
-        while b"READY=1" not in got:
-            if proc.poll() is not None:
-                raise DaemonSpawnError(f"the bladed started for --spawn-daemon exited with status "
-                                       f"{proc.returncode}: {_last_line(log_path, start)} (log: {log_path})")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DaemonSpawnError(f"the bladed started for --spawn-daemon was not ready within {timeout:.0f} s "
-                                       f"(log: {log_path})")
-            notify.settimeout(min(left, 0.5))  # also notices a daemon that exits without a word
-            with contextlib.suppress(TimeoutError):
-                got += notify.recv(4096).splitlines()
+        daemon.start().wait_ready(timeout)
         yield sock
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        notify.close()
-        log.close()
-
-
-def _last_line(path: str, start: int) -> str:
-    """The last non-empty line written to ``path`` since offset ``start``."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(its log cannot be read)"
-    return lines[-1] if lines else "(its log is empty)"
+        daemon.stop(30)
 
 
 def format_report(res: GenerationResult, model_bytes: int, cache_bytes: int, hidden_bytes: int,
@@ -361,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(a, progress, EXIT_NO_DAEMON, f"error: {msg}")
     except BladedError as e:
         return _fail(a, progress, EXIT_FAILED, f"error: bladed refused or failed a request: {e}")
-    except (DaemonSpawnError, OSError) as e:
+    except (SpawnError, OSError) as e:
         return _fail(a, progress, EXIT_FAILED, f"error: {e}")
     finally:
         progress.close()

@@ -114,13 +114,13 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from bladed_bench.sweep import Point, Runner, SweepPlan
+    from bladed_bench.sweep import Point, SweepPlan, SweepRunner
 
     spec = _spec(a, a.pipeline)
     limit = int(a.limit * GiB) if a.limit else None
     p = Point("sweep", a.config, a.pipeline, limit,
               budget_override=int(a.budget_override) if a.budget_override is not None else None)
-    runner = Runner(SweepPlan(spec=spec, points=[p], reps=1, workdir=a.workdir, drop=not a.no_drop))
+    runner = SweepRunner(SweepPlan(spec=spec, points=[p], reps=1, workdir=a.workdir, drop=not a.no_drop))
     rec = runner.run_point(p, 0, keep_series=False)
     keys = ("config", "pipeline", "limit_bytes", "prefill_s", "decode_s", "step_s", "hit_ratio", "hit_by_group",
             "throughput", "busy", "cpu", "pipeline_report", "verify", "cgroup")
