@@ -93,7 +93,7 @@ class ThrottledKV(MemoryKV):
 
 def run(model: DecoderModel, ids: torch.Tensor, gen_len: int, factory: Any = None, **policy: Any) -> Any:
     """Generate with the runner; KV offloaded to ``factory``'s backends (default: ``MemoryKV``)."""
-    from bladed.runner.engine import Policy, Runner
+    from bladed.runner.generation import Policy, Runner
 
     policy.setdefault("gpu_batch_size", ids.shape[0] // policy.get("num_gpu_batches", 1))
     fac = factory or (lambda g: MemoryKV(g))

@@ -27,7 +27,7 @@ from runner_util import (
 )
 
 from bladed.kvstore import BladedKV, Geometry, MemoryKV
-from bladed.runner.engine import GenerationResult
+from bladed.runner.generation import GenerationResult
 from bladed.runner.main import main, spawned_daemon
 from bladed.runner.models import DecoderModel, ModelConfig
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bladed.kvstore import BladedKV, Geometry
-from bladed.runner.engine import Policy, Runner
+from bladed.runner.generation import Policy, Runner
 from bladed.runner.main import spawned_daemon
 from bladed.runner.weights import load_model, smollm2_dir
 

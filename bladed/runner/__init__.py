@@ -11,7 +11,8 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "GenerationResult": "bladed.runner.engine", "Policy": "bladed.runner.engine", "Runner": "bladed.runner.engine",
+    "GenerationResult": "bladed.runner.generation", "Policy": "bladed.runner.generation",
+    "Runner": "bladed.runner.generation",
     "BladedKV": "bladed.kvstore", "Geometry": "bladed.kvstore", "KVBackend": "bladed.kvstore",
     "MemoryKV": "bladed.kvstore",
     "DecoderModel": "bladed.runner.models", "ModelConfig": "bladed.runner.models",

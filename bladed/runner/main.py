@@ -25,7 +25,7 @@ from bladed.config import ConfigError
 from bladed.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
 from bladed.pipeline import PIPELINE_MODES
 from bladed.protocol import BladedError, DaemonLostError, PermissionDeniedError, ShuttingDownError
-from bladed.runner.engine import GenerationResult, Policy, Runner
+from bladed.runner.generation import GenerationResult, Policy, Runner
 from bladed.runner.models import gib, kv_bytes
 from bladed.runner.progress import Progress
 from bladed.runner.weights import MODEL_CHOICES, SMOLLM2, load_model, model_kind, smollm2_gguf
