@@ -43,7 +43,7 @@ def hf_greedy(hf: Any, ids: torch.Tensor, gen_len: int, **kw: Any) -> tuple[torc
     return out.sequences[:, ids.shape[1]:], [x.float() for x in out.logits]
 
 
-class Path:
+class ModelledPath:
     """A modelled storage path with a deterministic service time per byte.
 
     ``shared=False``: requests proceed independently (several device queues).
@@ -77,10 +77,11 @@ class Path:
 
 
 class ThrottledKV(MemoryKV):
-    """``MemoryKV`` whose reads go through a modelled path per group (layers < n1: group 1)."""
+    """``MemoryKV`` whose reads go through a modelled path per group (layers below group1_layers: group 1)."""
 
-    def __init__(self, geometry: Geometry, paths: dict[int, Path], n1: int, channels: int = 2) -> None:
-        super().__init__(geometry, channels, groups={j: 1 if j < n1 else 2 for j in range(geometry.layers)})
+    def __init__(self, geometry: Geometry, paths: dict[int, ModelledPath], group1_layers: int,
+                 channels: int = 2) -> None:
+        super().__init__(geometry, channels, groups={j: 1 if j < group1_layers else 2 for j in range(geometry.layers)})
         self.paths = paths
 
     def read(self, layer: int, kind: Kind, ch: int, token_start: int = 0, ntokens: int | None = None) -> KVOp:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from runner_util import CONFIGS, Path, ThrottledKV, assert_same, hf_model, prompt, run, runner_model
+from runner_util import CONFIGS, ModelledPath, ThrottledKV, assert_same, hf_model, prompt, run, runner_model
 
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadJob
 
@@ -83,11 +83,11 @@ def test_adaptive_picks_the_faster_strategy_per_group(llama: tuple, contended: i
     model, ids, ref = llama
     g = model.cfg
     read_bytes = 2 * g.num_kv_heads * g.head_dim * 4 * 10  # one K or V read of ~10 tokens
-    ns_per_byte = 4e6 / read_bytes  # ~4 ms per read
-    paths = {contended: Path(ns_per_byte, shared=True, contention=4.0),
-             3 - contended: Path(ns_per_byte, shared=False)}
+    ns_per_byte = 16e6 / read_bytes  # ~16 ms per read: well above the copy threads' own overhead under load
+    paths = {contended: ModelledPath(ns_per_byte, shared=True, contention=4.0),
+             3 - contended: ModelledPath(ns_per_byte, shared=False)}
 
-    res = run(model, ids, 5, factory=lambda geo: ThrottledKV(geo, paths, n1=2), pipeline="adaptive")
+    res = run(model, ids, 5, factory=lambda geo: ThrottledKV(geo, paths, group1_layers=2), pipeline="adaptive")
     assert res.pipeline["decision"] == {str(contended): "cross", str(3 - contended): "intra"}
     for grp in ("1", "2"):
         assert res.pipeline["intra_GBps"][grp] > 0 and res.pipeline["cross_GBps"][grp] > 0
