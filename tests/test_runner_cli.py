@@ -403,3 +403,21 @@ def test_a_model_that_ends_its_sequence_says_so(tmp: str) -> None:
     text = runner(*args[:-1], "--stop-at-eos")
     assert text.returncode == 0, text.stderr
     assert text.stdout.splitlines()[0] == f"stopped: end-of-sequence token after {at + 1} of 12 tokens"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped exception, on purpose
+def test_a_stop_signal_whose_exception_was_swallowed_still_stops_the_run() -> None:
+    """The handler raises in whatever the main thread runs; inside a ``__del__`` Python prints and drops that
+    exception (CI saw a run finish with status 0 after SIGHUP). The next step must raise it again."""
+    from bladed.runner.main import Interrupted, _stop_on_signals, raise_if_interrupted
+
+    class SignalledWhileFinalizing:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(1000):   # bytecodes: the handler runs here, and its exception is dropped
+                pass
+
+    with pytest.raises(Interrupted) as raised, _stop_on_signals():
+        SignalledWhileFinalizing()
+        raise_if_interrupted()
+    assert raised.value.signum == signal.SIGHUP

@@ -278,6 +278,7 @@ class _Meter:
         self.decode_s = 0.0
 
     def __call__(self, done: int, step_s: float) -> None:
+        raise_if_interrupted()
         self.steps = done
         if done == 1:
             self.progress.note(f"prefill: {self.batch} x {self.prompt_len} tokens in {step_s:.2f} s")
@@ -293,7 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = _RunState()
     try:
         with _stop_on_signals():
-            return _run(a, progress, state)
+            status = _run(a, progress, state)
+            raise_if_interrupted()         # a signal during the last step, its exception lost
+            return status
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         cleaned = "" if a.backend == "memory" else "; KV sessions closed" + (
@@ -329,6 +332,17 @@ def _fail(a: argparse.Namespace, progress: Progress, code: int, line: str) -> in
     return code
 
 
+#: the stop signals received: the handler's exception can be lost (raised while the interpreter runs a
+#: ``__del__`` or another place that swallows exceptions), so each step checks this as well
+_PENDING_SIGNALS: list[int] = []
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`Interrupted` if a stop signal arrived (its handler's own exception may have been lost)."""
+    if _PENDING_SIGNALS:
+        raise Interrupted(_PENDING_SIGNALS[0])
+
+
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` (once; later ones are ignored so the
@@ -340,8 +354,10 @@ def _stop_on_signals() -> Iterator[None]:
     def stop(signum: int, _frame: Any) -> None:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
+        _PENDING_SIGNALS.append(signum)
         raise Interrupted(signum)
 
+    _PENDING_SIGNALS.clear()
     old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for s, h in old.items():
         if h is not signal.SIG_IGN:

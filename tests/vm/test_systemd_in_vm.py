@@ -13,7 +13,8 @@ the VM, so ``ExecStartPre=``/``ExecStart=`` run this checkout's interpreter
 (``python -m bladed.server`` with the unit's own arguments) on this checkout's
 code (``Environment=PYTHONPATH=``), and where that
 interpreter lives under /root or /home (pyenv), ``ProtectHome=tmpfs`` with a
-read-only bind of it replaces ``ProtectHome=yes``.  The state directory is on
+read-only bind of it replaces ``ProtectHome=yes``; a checkout under /tmp or
+/var/tmp is bound read-only into the unit's private /tmp.  The state directory is on
 ext4 on namespace 2, so page-cache files are file pages.
 
 Kept to two daemon starts: under TCG every Python start-up costs seconds, and
@@ -80,6 +81,11 @@ def paths_dropin() -> str:
     base = os.path.realpath(sys.base_prefix)
     if base.startswith(("/root/", "/home/")):
         lines += ["ProtectHome=tmpfs", f"BindReadOnlyPaths={base}"]
+    # a checkout (and its venv) under /tmp is hidden by the unit's PrivateTmp=yes: bind it into the private /tmp
+    repo, venv = os.path.realpath(REPO), os.path.realpath(sys.prefix)
+    for path in [repo] + ([] if venv.startswith(repo + "/") else [venv]):
+        if path.startswith(("/tmp/", "/var/tmp/")):
+            lines.append(f"BindReadOnlyPaths={path}")
     return "\n".join(lines) + "\n"
 
 
