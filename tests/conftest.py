@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +15,18 @@ from bladed.io import StagingBuffer
 
 # tests/vm runs inside the QEMU NVMe VM (driven by tests/test_nvme_vm.py)
 collect_ignore = ["vm"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Default stop-signal dispositions, however the suite was launched.
+
+    The tests send SIGINT, SIGHUP and SIGTERM to the programs they start and expect what a program
+    started from a terminal does. A launcher that ignores them (``nohup``, a background job of a
+    non-interactive shell, some CI runners) would pass SIG_IGN on to every child, and bladed and the
+    runner keep a signal ignored on entry ignored, as ``nohup`` users expect."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @pytest.fixture
