@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from bladed.spawn import PrivateDaemon, SpawnError
@@ -85,32 +85,45 @@ def pattern(seed: int | str, layer: int, kind: str, nbytes: int) -> bytes:
     return random.Random(f"{seed}/{layer}/{kind}").randbytes(nbytes)
 
 
-def run_as(uid: int, socket_path: str, action: Callable[[Any, dict[str, Any]], None]) -> dict[str, Any]:
-    """Connect as ``uid`` (gid the same, no supplementary groups) in a forked child and run
-    ``action(client, out)``; returns ``out``, plus ``exception``/``message`` if it raised."""
-    from bladed.client import Client
-
+def forked_as(uid: int, body: Callable[[dict[str, Any]], None], groups: Sequence[int] = ()) -> dict[str, Any]:
+    """Run ``body(out)`` in a forked child with ``uid`` (gid the same) and only ``groups`` as supplementary
+    groups; returns ``out`` (JSON values). An exception ``body`` lets out is recorded as ``exception``."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         out: dict[str, Any] = {}
         try:
             os.close(r)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(uid)
             os.setuid(uid)
-            with Client(socket_path) as c:
-                out["uid"] = os.getuid()
-                action(c, out)
+            body(out)
         except Exception as e:
-            out.update(exception=type(e).__name__, message=str(e))
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
+            out["exception"] = f"{type(e).__name__}: {e}"
+        finally:
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
     os.close(w)
     with os.fdopen(r) as f:
         data = f.read()
     os.waitpid(pid, 0)
     return dict(json.loads(data))
+
+
+def run_as(uid: int, socket_path: str, action: Callable[[Any, dict[str, Any]], None]) -> dict[str, Any]:
+    """Connect as ``uid`` (gid the same, no supplementary groups) in a forked child and run
+    ``action(client, out)``; returns ``out``, plus ``exception``/``message`` if it raised."""
+    from bladed.client import Client
+
+    def body(out: dict[str, Any]) -> None:
+        try:
+            with Client(socket_path) as c:
+                out["uid"] = os.getuid()
+                action(c, out)
+        except Exception as e:
+            out.update(exception=type(e).__name__, message=str(e))
+
+    return forked_as(uid, body)
 
 
 _LOGFMT_PAIR = re.compile(r'(?:^|\s)([\w.]+)=("(?:[^"\\]|\\.)*"|\S*)')

@@ -40,7 +40,7 @@ from nvmevm import NG_PATH, ng_path
 from systemdvm import TIMEOUT, UNPRIVILEGED_PASSTHROUGH, JournalWatch, disk, run, show, start, systemd_problem
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from daemon_util import ClientProcess, toml_text
+from daemon_util import ClientProcess, forked_as, toml_text
 
 from bladed.client import Client
 from bladed.io import Engine, StagingBuffer
@@ -186,26 +186,15 @@ def proc_status(pid: int) -> dict[str, str]:
 
 def connect_as(uid: int, groups: list[int]) -> dict[str, Any]:
     """``status`` from a forked child with ``uid`` (gid the same) and ``groups`` as supplementary groups."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        out: dict[str, Any] = {}
+
+    def body(out: dict[str, Any]) -> None:
         try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(uid)
-            os.setuid(uid)
             with Client(SOCKET) as c:
                 out["pid"] = c.status()["pid"]
         except Exception as e:
             out["error"] = type(e).__name__
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return dict(json.loads(data))
+
+    return forked_as(uid, body, groups)
 
 
 def read_extent(ext: dict[str, int], lba: int) -> bytes:

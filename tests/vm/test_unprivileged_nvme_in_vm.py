@@ -12,12 +12,15 @@ configurations: Debian 12's 6.1 and 6.12 kernels.
 from __future__ import annotations
 
 import errno
-import json
 import os
+import sys
 from typing import Any
 
 from nvmevm import NG_PATH
 from systemdvm import UNPRIVILEGED_PASSTHROUGH
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from daemon_util import forked_as
 
 from bladed.io.nvme import CNS_CONTROLLER, CNS_NAMESPACE, NvmeDevice, identify
 from bladed.io.uring import Op, Ring, StagingBuffer, Transfer
@@ -28,41 +31,27 @@ NOBODY = 65534
 
 def _as_nobody(dev: NvmeDevice) -> dict[str, Any]:
     """Identify, then read LBA 0 and write it back, from a forked child with no uid 0 and no capabilities."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        out: dict[str, Any] = {}
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            with open("/proc/self/status") as f:
-                out["cap_eff"] = next(ln.split()[1] for ln in f if ln.startswith("CapEff:"))
-            for name, cns, nsid in (("identify_ns", CNS_NAMESPACE, dev.nsid), ("identify_ctrl", CNS_CONTROLLER, 0)):
-                try:
-                    identify(dev.fd, nsid, cns)
-                    out[name] = "ok"
-                except OSError as e:
-                    out[name] = e.errno
-            with StagingBuffer(PAGE_SIZE) as buf, Ring(2, big_sqe=True) as ring:
-                target = dev.make_target()
-                for op in (Op.READ, Op.WRITE):        # the write puts back what the read got
-                    x = Transfer(target, op, 0, dev.lba_size, buf.address, (buf, target))
-                    ring.run([x])
-                    err = x.error()
-                    out[op.name.lower()] = "ok" if err is None else getattr(err, "errno", repr(err))
-                    if err is not None:
-                        break
-        except Exception as e:
-            out["exception"] = f"{type(e).__name__}: {e}"
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return dict(json.loads(data))
+
+    def body(out: dict[str, Any]) -> None:
+        with open("/proc/self/status") as f:
+            out["cap_eff"] = next(ln.split()[1] for ln in f if ln.startswith("CapEff:"))
+        for name, cns, nsid in (("identify_ns", CNS_NAMESPACE, dev.nsid), ("identify_ctrl", CNS_CONTROLLER, 0)):
+            try:
+                identify(dev.fd, nsid, cns)
+                out[name] = "ok"
+            except OSError as e:
+                out[name] = e.errno
+        with StagingBuffer(PAGE_SIZE) as buf, Ring(2, big_sqe=True) as ring:
+            target = dev.make_target()
+            for op in (Op.READ, Op.WRITE):        # the write puts back what the read got
+                x = Transfer(target, op, 0, dev.lba_size, buf.address, (buf, target))
+                ring.run([x])
+                err = x.error()
+                out[op.name.lower()] = "ok" if err is None else getattr(err, "errno", repr(err))
+                if err is not None:
+                    break
+
+    return forked_as(NOBODY, body)
 
 
 def test_passthrough_without_capabilities() -> None:
