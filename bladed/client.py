@@ -84,6 +84,7 @@ __all__ = [
     "OpResult",
     "OutOfRangeError",
     "PermissionDeniedError",
+    "PrefixKey",
     "ProtocolError",
     "QuotaExceededError",
     "RemoteIOError",
@@ -91,6 +92,19 @@ __all__ = [
     "ShuttingDownError",
     "geometry_dict",
 ]
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """What a retained prefix is found by: the model's name (anything that tells its weights apart), the KV
+    dtype's name, and the token ids (of the prompt at open; the daemon hashes them in blocks)."""
+
+    model: str
+    dtype: str
+    tokens: Sequence[int] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"model": self.model, "dtype": self.dtype, "tokens": [int(t) for t in self.tokens]}
 
 
 @dataclass(frozen=True)
@@ -263,7 +277,7 @@ class Client:
     # -- sessions ----------------------------------------------------------------
     def open_session(self, geometry: Any, mode: str = "dualblade", channels: int = 2,
                      staging_bytes: int | None = None, *, slot_bytes: int | None = None, pin: bool | None = None,
-                     checksums: bool | None = None) -> Session:
+                     checksums: bool | None = None, prefix: PrefixKey | None = None) -> Session:
         """Open a session: the daemon plans it (Algorithm 1) and binds its extents (Eq. 3-6).
 
         Each channel gets a staging slot of ``slot_bytes`` (default: one KPU,
@@ -275,6 +289,10 @@ class Client:
         staging mapping with ``cudaHostRegister``.  ``checksums`` (None = the
         daemon's ``io.checksums``): the daemon keeps a crc32c of every token row
         written and fails a read whose data differs with IntegrityError.
+        ``prefix``: look the prompt's tokens up among the retained prefixes of
+        the peer's scope; the KV of the longest match is copied into the session
+        before the reply, and :attr:`Session.prefix_tokens` says how many
+        leading tokens are there (docs/protocol.md, "Prefix reuse").
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -285,6 +303,8 @@ class Client:
             extra["staging_bytes"] = align_up(staging_bytes, int(self.server["staging_align"]))
         if checksums is not None:
             extra["checksums"] = bool(checksums)
+        if prefix is not None:
+            extra["prefix"] = prefix.to_wire()
         # an empty memfd: the daemon sizes it to the layout and seals it, so that neither side can shrink the
         # memory under the other's DMA (docs/protocol.md, open_session)
         fd = os.memfd_create("bladed-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -314,6 +334,14 @@ class Client:
 
     def budget(self) -> dict[str, Any]:
         return _strip(self.call("budget"))
+
+    def prefixes(self) -> dict[str, Any]:
+        """The retained prefixes this peer may see (all of them for an admin), its scope and the block size."""
+        return _strip(self.call("prefixes"))
+
+    def evict_prefixes(self, entry: str | None = None) -> list[str]:
+        """Evict one retained prefix by id, or every one this peer may see; the ids evicted."""
+        return list(self.call_async("evict_prefixes", entry=entry).result()["evicted"])
 
     def trim(self) -> dict[str, Any]:
         """TRIM the whole region (refused while any session is open; admin only)."""
@@ -365,6 +393,11 @@ class Session:
         self.slot_stride: int = int(layout["slot_stride"])
         self.staging_bytes: int = int(layout["staging_bytes"])
         self._attach_token: str = layout["attach_token"]
+        prefix = reply.get("prefix") or {}
+        #: leading tokens whose KV a retained prefix supplied at open (0: none, or no prefix key given)
+        self.prefix_tokens: int = int(prefix.get("tokens", 0))
+        #: the retained prefix they came from (None on a miss)
+        self.prefix_entry: str | None = prefix.get("entry")
         self._mapping = mapping
         self._view = memoryview(mapping)
         self._closed = False
@@ -489,6 +522,24 @@ class Session:
     def read(self, layer: int, kind: str, ch: int, token_start: int = 0, ntokens: int | None = None) -> OpResult:
         """Load tokens of KPU (layer, kind) into slot ``ch`` and wait (raises the BladedError on failure)."""
         return self.submit(ch, [self.range("read", layer, kind, token_start, ntokens)])[0]
+
+    def retain(self, tokens: Sequence[int], prefix: PrefixKey | None = None, *, close: bool = False) -> dict[str, Any]:
+        """Keep the KV of the first whole token blocks of ``tokens`` (the token ids whose KV this session wrote, from
+        token 0) as a retained prefix, under the model and dtype of ``prefix`` or of the key the session was
+        opened with.  Returns ``{"entry", "tokens", "new"}``.  With ``close`` the session ends with it (and the
+        entry may take the session's page-cache budget); a retain that fails leaves the session open."""
+        fields: dict[str, Any] = {"session": self.id, "tokens": [int(t) for t in tokens], "close": close}
+        if prefix is not None:
+            fields["prefix"] = {"model": prefix.model, "dtype": prefix.dtype}
+        out = _strip(self.client.call_async("retain", **fields).result())
+        if close:
+            self._closed = True
+            self.client._sessions.pop(self.id, None)
+            for dc in self._data:
+                if dc is not None:
+                    dc.close()
+            self._unmap()
+        return out
 
     def close(self) -> None:
         """Free the session's extents (TRIM) and page-cache files; unmap the staging memory."""

@@ -29,6 +29,7 @@ SYSTEM_CONFIG = "/etc/bladed/bladed.toml"
 BACKENDS = ("file", "block", "nvme")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "text", "journal")
+PREFIX_SCOPES = ("uid", "group")
 SOCKET_PATH_MAX = 107  # sizeof(sun_path) - 1
 
 
@@ -131,6 +132,20 @@ class AccessConfig:
 
 
 @dataclass
+class PrefixConfig:
+    """Retained prefixes (docs/architecture.md, "Prefix reuse")."""
+
+    #: tokens per hashed block: a prefix is found again in whole blocks
+    block_tokens: int = 16
+    #: device bytes all retained prefixes may hold on the extent region; 0 = none there
+    device_bytes: int = 512 << 20
+    #: page-cache bytes all retained prefixes may hold (live sessions' budget always comes first); 0 = none there
+    pagecache_bytes: int = 64 << 20
+    #: who sees a retained prefix: "uid" (the peer's uid) or "group" (the peer's primary group)
+    scope: str = "uid"
+
+
+@dataclass
 class MetricsConfig:
     enabled: bool = False
     #: "HOST:PORT" (port 0: any free port, shown by ``bladectl status``) or "unix:PATH"
@@ -153,6 +168,7 @@ class Config:
     io: IOConfig = field(default_factory=IOConfig)
     socket: SocketConfig = field(default_factory=SocketConfig)
     access: AccessConfig = field(default_factory=AccessConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     #: where it was loaded from ("" = embedded default)
@@ -272,7 +288,7 @@ def format_size(n: int) -> str:
 
 
 _SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "access.quota_bytes",
-              "io.max_staging_bytes"}
+              "io.max_staging_bytes", "prefix.device_bytes", "prefix.pagecache_bytes"}
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, problems: list[str]) -> Any:
@@ -443,6 +459,11 @@ def validate(cfg: Config) -> list[str]:
         bad = [v for v in getattr(a, name) if v < 0]
         if bad:
             p.append(f"access.{name}: ids must be >= 0, got {bad}")
+    pr = cfg.prefix
+    if not 1 <= pr.block_tokens <= 4096:
+        p.append(f"prefix.block_tokens: must be within 1..4096, got {pr.block_tokens}")
+    if pr.scope not in PREFIX_SCOPES:
+        p.append(f"prefix.scope: must be one of {', '.join(PREFIX_SCOPES)}, got {pr.scope!r}")
     m = cfg.metrics
     if m.listen.startswith("unix:"):
         if not m.listen[5:]:

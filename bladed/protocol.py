@@ -42,9 +42,9 @@ from typing import Any, NamedTuple, cast
 #: version of the request/reply vocabulary; bumped on any incompatible change
 #: (2: data connections with binary batched I/O frames, ``attach``; 3: descriptive reply field names
 #: instead of the paper's symbols, and the daemon sizes an empty staging memfd itself)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: oldest client protocol this build still serves
-MIN_PROTOCOL_VERSION = 3
+MIN_PROTOCOL_VERSION = 4
 #: frame formats: the body is JSON, or a binary I/O request/reply (data connections)
 JSON_FORMAT = 1
 IO_FORMAT = 2
@@ -62,7 +62,7 @@ INT_MAX = (1 << 63) - 1
 #: the JSON requests (docs/protocol.md has one section per op)
 OPS = (
     "hello", "open_session", "close_session", "attach", "write", "read",
-    "status", "sessions", "stats", "budget", "trim",
+    "status", "sessions", "stats", "budget", "trim", "retain", "prefixes", "evict_prefixes",
 )
 
 

@@ -271,6 +271,13 @@ class PageCacheFile:
             os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
         self.store._account(dropped=end - start)
 
+    def sync(self) -> None:
+        """Write the file's dirty pages to storage and wait for them (``msync`` + ``fsync``)."""
+        with self._use():
+            assert self._mm is not None
+            self._mm.flush()
+            os.fsync(self.fd)
+
     def close(self, unlink: bool = True) -> None:
         """Unmap and close; remove the file unless ``unlink`` is False.  Idempotent.
 

@@ -366,6 +366,23 @@ class Connection:
                                                             "(root or access.admin_uids only)")
         return self.daemon.trim_region()
 
+    def _op_retain(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        sess = self._session(body)
+        out = self.daemon.manager.retain(sess, body)
+        if body.get("close") is True:
+            del self.sessions[sess.id]
+        return out | {"session": sess.id}
+
+    def _op_prefixes(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        cache = self.daemon.manager.prefixes
+        return {"prefixes": cache.describe(self.peer, self.daemon.is_admin(self.peer)),
+                "scope": cache.scope_of(self.peer), "block_tokens": cache.block_tokens}
+
+    def _op_evict_prefixes(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        entry = get_field(body, "entry", str, default=None)
+        evicted = self.daemon.manager.prefixes.evict_matching(self.peer, self.daemon.is_admin(self.peer), entry)
+        return {"evicted": evicted}
+
     # -- the data path ------------------------------------------------------------------
     def _serve_data(self, sess: Session, ch: int) -> str:
         """Serve binary I/O requests for one channel until the peer or the session goes."""

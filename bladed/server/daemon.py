@@ -91,8 +91,10 @@ class Daemon:
             self.allocator = ExtentAllocator(start, blocks, lba_size=self.device.lba_size)
             with _naming("daemon.pagecache_dir", cfg.pagecache_dir):
                 os.makedirs(cfg.pagecache_dir, mode=0o750, exist_ok=True)
-            reclaim(cfg, self.device, self.allocator, self.journal, self.stats)
+            kept = reclaim(cfg, self.device, self.allocator, self.journal, self.stats)
             self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats)
+            # retained prefixes of the last run: served only if every checksum verifies (bladed.server.prefix)
+            self.manager.prefixes.restore(kept)
             with _naming("socket.path", cfg.socket_path):
                 self._listen()
             if cfg.metrics.enabled:
@@ -269,7 +271,8 @@ class Daemon:
                             "largest_free": self.allocator.largest_free, "region_blocks": self.allocator.nblocks},
                 "lba_size": self.device.lba_size,
                 "budget": budget | {"held_bytes": self.manager.ledger.held_bytes},
-                "replan": self.manager.replanner.to_dict()}
+                "replan": self.manager.replanner.to_dict(),
+                "prefixes": self.manager.prefixes.gauges()}
 
     def _sample_budget(self) -> dict[str, Any]:
         """Eq. 1-2 for the daemon as a whole: N_threads * M_pin is every open session's staging."""
@@ -369,6 +372,8 @@ class Daemon:
             c.thread.join()
         self.manager.replanner.stop()
         self.manager.close_all("shutdown")
+        # retained prefixes stay on storage, and in the journal, for the next start
+        self.manager.prefixes.close()
         if self.metrics is not None:
             self.metrics.close()
         event("daemon_stop", trimmed_bytes=self.stats.trimmed_bytes, sessions_closed=self.stats.sessions_closed)

@@ -13,7 +13,7 @@ from bladed.io import BladedIOError, Engine, ExtentDevice, open_device
 from bladed.residency.extents import ExtentAllocator
 from bladed.server.events import event
 from bladed.server.metrics import Stats
-from bladed.server.state import QUARANTINED, Journal, SessionRecord
+from bladed.server.state import QUARANTINED, READY, Journal, RetainedRecord, SessionRecord
 from bladed.server.stores.pagecache import sweep_pagecache
 from bladed.server.systemd import sd_notify
 
@@ -80,11 +80,15 @@ def open_store_device(cfg: Config) -> ExtentDevice:
     return dev
 
 
-def reclaim(cfg: Config, dev: ExtentDevice, allocator: ExtentAllocator, journal: Journal, stats: Stats) -> None:
-    """Scrub what a crashed instance left and remove its page-cache files.
+def reclaim(cfg: Config, dev: ExtentDevice, allocator: ExtentAllocator, journal: Journal,
+            stats: Stats) -> list[RetainedRecord]:
+    """Scrub what a crashed instance left and remove its page-cache files; returns the retained prefixes kept.
 
     With a journal of this device and region, only the extents it lists
-    are scrubbed.  Without one (first start, state directory wiped, journal
+    are scrubbed, and the retained prefixes it lists as ready are kept (their
+    extents reserved, their files left; the caller verifies their checksums
+    before serving them).  A prefix that was still being written is reclaimed
+    like a session.  Without one (first start, state directory wiped, journal
     unreadable, or written for another device or region), nothing says
     which blocks hold an earlier session's KV cache, so the whole region
     is: a new session must never read bytes it did not write.
@@ -96,18 +100,23 @@ def reclaim(cfg: Config, dev: ExtentDevice, allocator: ExtentAllocator, journal:
     unscrubbed: list[tuple[int, int]] = []
     whole_region = ""
     try:
-        stale, old_device = journal.load_stale()
+        stale, retained, old_device = journal.load_stale()
     except ValueError as e:
         log.warning("%s; scrubbing the whole region [%d, %d) to be safe", e, start, start + blocks)
-        stale, old_device, whole_region = [], None, "unreadable_journal"
+        stale, retained, old_device, whole_region = [], [], None, "unreadable_journal"
     if old_device is None:
         whole_region = whole_region or "no_journal"
     elif any(old_device.get(k) != here[k] for k in ("path", "lba_size", "region")):
         whole_region = "journal_of_another_device_or_region"
-        if stale:
+        if stale or retained:
             log.warning("the journal names sessions on %s; this instance uses %s: not scrubbing them",
                         old_device, here)
-        stale = []
+        stale, retained = [], []
+    kept = [r for r in retained if r.state == READY and all(
+        start <= s and s + n <= start + blocks for s, n in r.extents)]
+    # a prefix still being written (or outside today's region) is reclaimed like a session: never served
+    stale = stale + [SessionRecord(id=r.id, uid=-1, pid=-1, mode="retained", extents=r.extents,
+                                   pagecache_dir=r.pagecache_dir) for r in retained if r not in kept]
     for rec in stale:
         for s, n in rec.extents:
             # only inside today's region: blocks outside it may have been given to someone else
@@ -141,20 +150,24 @@ def reclaim(cfg: Config, dev: ExtentDevice, allocator: ExtentAllocator, journal:
             raise ConfigError([f"device.path: {dev.path} can neither deallocate the region to zeroes nor "
                                f"Write-Zero it, and there is no journal saying which blocks hold earlier "
                                f"sessions' data ({whole_region}); refusing to serve it"], cfg.source)
-    removed = sweep_pagecache(cfg.pagecache_dir)
+    removed = sweep_pagecache(cfg.pagecache_dir, keep=[r.pagecache_dir for r in kept])
     stats.add("trimmed_bytes", trimmed)
     stats.add("zeroed_bytes", zeroed)
     stats.add("sessions_reclaimed", reclaimed)
     if reclaimed or removed or whole_region:
         event("reclaim", sessions=reclaimed, trimmed_bytes=trimmed, zeroed_bytes=zeroed,
               pagecache_dirs_removed=removed, whole_region_scrubbed=whole_region or "no")
-    journal.reset(here)
+    journal.reset(here, kept)
+    for kept_rec in kept:
+        for s, n in kept_rec.extents:
+            allocator.reserve(s, n, owner=kept_rec.id)
     for lo, n in unscrubbed:
         # quarantined until a later start-up manages the scrub; the journal keeps it for that
         allocator.reserve(lo, n, owner=QUARANTINED)
         journal.add(SessionRecord(id=f"{QUARANTINED}-{lo}", uid=os.getuid(), pid=os.getpid(),
                                   mode=QUARANTINED, extents=[(lo, n)]))
         stats.add("quarantined_bytes", n * dev.lba_size)
+    return kept
 
 
 __all__ = ["SCRUB_START_TIMEOUT_S", "open_store_device", "reclaim", "scrub"]

@@ -61,7 +61,8 @@ class PathCounters:
 
 #: counters kept per label value as well as in total: stat name -> label name (``bladectl stats``
 #: reports them as ``<name>_by_<label>``, Prometheus as ``bladed_<name>_total{<label>=...}``)
-LABELLED = {"sessions_closed": "reason", "connections_refused": "reason", "bad_requests": "code"}
+LABELLED = {"sessions_closed": "reason", "connections_refused": "reason", "bad_requests": "code",
+            "prefix_evictions": "reason"}
 #: why a connection is refused (before its hello): the label values of bladed_connections_refused_total
 REFUSALS = ("not_allowed", "too_many")
 
@@ -89,6 +90,13 @@ class Stats:
         self.connections_refused = 0
         #: requests answered with an error the client caused (a bad frame, bad JSON, an unknown op, a refusal)
         self.bad_requests = 0
+        #: retained prefixes (bladed.server.prefix): opens that found one / found none, tokens copied from one,
+        #: prefixes retained, prefixes evicted (by why)
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+        self.prefix_reused_tokens = 0
+        self.prefix_retained = 0
+        self.prefix_evictions = 0
         #: the LABELLED counters by label value; the refusal reasons are known up front, so they start at 0
         self.by_label: dict[str, dict[str, int]] = {name: {} for name in LABELLED}
         self.by_label["connections_refused"] = dict.fromkeys(REFUSALS, 0)
@@ -142,6 +150,11 @@ class Stats:
                 "sessions_reclaimed": self.sessions_reclaimed,
                 "connections_refused": self.connections_refused,
                 "bad_requests": self.bad_requests,
+                "prefix_hits": self.prefix_hits,
+                "prefix_misses": self.prefix_misses,
+                "prefix_reused_tokens": self.prefix_reused_tokens,
+                "prefix_retained": self.prefix_retained,
+                "prefix_evictions": self.prefix_evictions,
             } | {f"{name}_by_{label}": dict(self.by_label[name]) for name, label in LABELLED.items()}
 
     def histograms(self) -> dict[tuple[str, str], tuple[list[int], float]]:
@@ -160,12 +173,17 @@ _COUNTERS = (
     ("integrity_errors", "Reads whose crc32c did not match what was written"),
     ("sessions_opened", "Sessions opened"),
     ("sessions_reclaimed", "Sessions of a crashed instance reclaimed at start-up"),
+    ("prefix_hits", "Sessions opened with a prefix key that found a retained prefix"),
+    ("prefix_misses", "Sessions opened with a prefix key that found none"),
+    ("prefix_reused_tokens", "Tokens of KV copied from retained prefixes into new sessions (prefill skipped)"),
+    ("prefix_retained", "Prefixes retained"),
 )
 #: the LABELLED counters: stat -> (metric, help)
 _LABELLED_COUNTERS = {
     "sessions_closed": ("bladed_sessions_closed", "Sessions closed, by why"),
     "connections_refused": ("bladed_connections_refused", "Connections refused before their hello, by why"),
     "bad_requests": ("bladed_requests_refused", "Requests answered with an error the client caused, by its code"),
+    "prefix_evictions": ("bladed_prefix_evictions", "Retained prefixes evicted, by why"),
 }
 #: Eq. 1-2 and the ledger, one gauge each: (metric, key of Daemon.gauges()["budget"], help with the paper's symbol)
 _BUDGET_GAUGES = (
@@ -193,6 +211,13 @@ _REPLAN_COUNTERS = (
      "Demotions refused (no space, memory or I/O error; the KPU stays where it was)"),
 )
 
+#: retained prefixes now: (metric, key of PrefixCache.gauges(), help)
+_PREFIX_GAUGES = (
+    ("bladed_prefix_entries", "entries", "Retained prefixes"),
+    ("bladed_prefix_retained_tokens", "tokens", "Tokens of KV the retained prefixes hold"),
+    ("bladed_prefix_retained_pagecache_bytes", "pagecache_bytes", "Page-cache bytes the retained prefixes hold"),
+    ("bladed_prefix_retained_device_bytes", "device_bytes", "Device bytes the retained prefixes hold"),
+)
 
 class Collector:
     """Prometheus view of the daemon (docs/operations.md, "Metrics"): counters from :class:`Stats`,
@@ -260,6 +285,9 @@ class Collector:
             value = budget.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(metric, doc, value=value)
+        prefixes = live.get("prefixes", {})
+        for metric, key, doc in _PREFIX_GAUGES:
+            yield GaugeMetricFamily(metric, doc, value=prefixes.get(key, 0))
         replan = live.get("replan", {})
         for metric, key, doc in _REPLAN_COUNTERS:
             yield CounterMetricFamily(metric, doc, value=replan.get(key, 0))

@@ -40,6 +40,7 @@ from bladed.server.events import Peer, event
 from bladed.server.integrity import Checksums
 from bladed.server.lifecycle import scrub
 from bladed.server.metrics import Stats
+from bladed.server.prefix import PrefixCache
 from bladed.server.replan import LiveReplanner, LiveState
 from bladed.server.state import QUARANTINED, Journal, SessionRecord
 from bladed.server.stores import Access, ExtentKPUStore, PageCacheKPUStore
@@ -82,6 +83,10 @@ class Session:
         #: page-cache files removed at teardown
         self.files_removed = 0
         self.live = LiveState(self)
+        #: (model, dtype) of the prefix key it was opened with (``retain`` reuses them); None = none given
+        self.prefix_key: tuple[str, str] | None = None
+        #: the ``prefix`` object of the open_session reply (None = not asked)
+        self.prefix_reply: dict[str, Any] | None = None
         self._attached: set[Any] = set()
         self._attach_lock = threading.Lock()
 
@@ -114,7 +119,10 @@ class Session:
         """The fields of the ``open_session`` reply: session id, plan (with the budget sample) and layout."""
         plan = self.plan.to_dict()
         plan["budget"] = self.budget
-        return {"session": self.id, "plan": plan, "layout": self.layout()}
+        out = {"session": self.id, "plan": plan, "layout": self.layout()}
+        if self.prefix_reply is not None:
+            out["prefix"] = self.prefix_reply
+        return out
 
     def describe(self) -> dict[str, Any]:
         p = self.plan
@@ -219,31 +227,43 @@ class Session:
         """
         ch = self.channel(ch_index)
         checked = self._check(ranges, limit)
-        pagecache, extent_store = self.stores()
         with ch.lock:
             if self.closing:
                 raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is closing")
             t0 = time.monotonic_ns()
-            live = self.live
-            tids = [r.tensor_id for r, _, _, _ in checked]
-            # pending live demotions of these KPUs are carried out first (bladed.server.replan)
-            kpus = live.begin_all(tids, ch)
-            try:
-                accesses = [Access(r.op, kpu, r.token_start, r.ntokens, off, n, so)
-                            for (r, off, n, so), kpu in zip(checked, kpus, strict=True)]
-                pc: list[Access] = []
-                direct: list[Access] = []
-                for a in accesses:
-                    (direct if a.direct else pc).append(a)
-                if pc:
-                    pagecache.run(ch, pc)
-                if direct:
-                    extent_store.run(ch, direct)
-                self._after(ch, accesses)
-            finally:
-                live.end_all(tids)
+            results = self._run(ch, checked)
             ch.busy_ns += time.monotonic_ns() - t0
-            ch.ops += len(accesses)
+            ch.ops += len(results)
+        return results
+
+    def transfer(self, ch: Channel, ranges: Sequence[IORange]) -> list[RangeResult]:
+        """Run ``ranges`` on a channel of the daemon's own (a retained prefix's copy), not one of the session's.
+
+        The caller keeps the session's channels from serving meanwhile (a session not yet opened, or
+        every channel lock held), so the stores' per-channel buffers of channel 0 are free.
+        """
+        return self._run(ch, self._check(ranges, len(ranges)))
+
+    def _run(self, ch: Channel, checked: list[tuple[IORange, int, int, int]]) -> list[RangeResult]:
+        pagecache, extent_store = self.stores()
+        live = self.live
+        tids = [r.tensor_id for r, _, _, _ in checked]
+        # pending live demotions of these KPUs are carried out first (bladed.server.replan)
+        kpus = live.begin_all(tids, ch)
+        try:
+            accesses = [Access(r.op, kpu, r.token_start, r.ntokens, off, n, so)
+                        for (r, off, n, so), kpu in zip(checked, kpus, strict=True)]
+            pc: list[Access] = []
+            direct: list[Access] = []
+            for a in accesses:
+                (direct if a.direct else pc).append(a)
+            if pc:
+                pagecache.run(ch, pc)
+            if direct:
+                extent_store.run(ch, direct)
+            self._after(ch, accesses)
+        finally:
+            live.end_all(tids)
         return [a.result for a in accesses]
 
     def _after(self, ch: Channel, accesses: list[Access]) -> None:
@@ -281,6 +301,9 @@ class SessionManager:
         self.stats = stats
         self.ledger = BudgetLedger()
         self.replanner = LiveReplanner(self)
+        self.prefixes = PrefixCache(cfg, device, allocator, journal, stats)
+        self.prefixes.pagecache_room = self._pagecache_room
+        self._last_budget = 0
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
 
@@ -292,6 +315,15 @@ class SessionManager:
         b = self.cfg.budget
         return Budgeter(copy_threads, pinned_per_thread_bytes, override_bytes=b.override, cap_bytes=b.cap,
                         cgroup_path=b.cgroup or None)
+
+    def _pagecache_room(self) -> int:
+        """Page-cache bytes neither live sessions nor retained prefixes hold, of the last sampled ``B_pc``."""
+        try:
+            self._last_budget = self.budgeter(1, 0).sample().pagecache_budget_bytes
+        except (OSError, ValueError) as e:
+            log.warning("budget sampling failed (%s); retaining on the device only", e)
+            return 0
+        return max(0, self.ledger.available(self._last_budget) - self.prefixes.pagecache_bytes)
 
     def live_sessions(self) -> list[Session]:
         with self._lock:
@@ -327,67 +359,82 @@ class SessionManager:
             mode = Mode.parse(get_field(body, "mode", str, default="dualblade"))
         except ValueError as e:
             raise RequestError(ErrorCode.BAD_REQUEST, f"field 'mode': {e}") from None
-        channels = get_field(body, "channels", int, minimum=1, maximum=cfg.io.max_channels)
-        slot_bytes = get_field(body, "slot_bytes", int, default=geometry.kpu_bytes, minimum=geometry.kpu_bytes)
-        stride = align_up(slot_bytes, self.staging_align)
-        staging_bytes = get_field(body, "staging_bytes", int, default=channels * stride, minimum=1)
-        if staging_bytes < channels * stride or staging_bytes % self.staging_align:
-            raise RequestError(ErrorCode.BAD_REQUEST,
-                               f"staging_bytes {staging_bytes} must be a multiple of {self.staging_align} and hold "
-                               f"{channels} slots of {stride} bytes (slot_bytes {slot_bytes})")
-        if staging_bytes > cfg.io.max_staging_bytes:
-            # the daemon maps and pins (registers) this memory: bound what one request can make it hold
-            raise RequestError(ErrorCode.BAD_REQUEST,
-                               f"staging of {staging_bytes} bytes exceeds io.max_staging_bytes "
-                               f"({cfg.io.max_staging_bytes}); use fewer channels or a smaller geometry")
-        _prepare_memfd(fd, staging_bytes)
-        lba = self.device.lba_size
+        # the prefix first: the entry it finds is held (not evicted) until it is copied into the session
+        found = self.prefixes.lookup(geometry, peer, body["prefix"]) if "prefix" in body else None
+        try:
+            channels = get_field(body, "channels", int, minimum=1, maximum=cfg.io.max_channels)
+            slot_bytes = get_field(body, "slot_bytes", int, default=geometry.kpu_bytes, minimum=geometry.kpu_bytes)
+            stride = align_up(slot_bytes, self.staging_align)
+            staging_bytes = get_field(body, "staging_bytes", int, default=channels * stride, minimum=1)
+            if staging_bytes < channels * stride or staging_bytes % self.staging_align:
+                raise RequestError(ErrorCode.BAD_REQUEST,
+                                   f"staging_bytes {staging_bytes} must be a multiple of {self.staging_align} and hold "
+                                   f"{channels} slots of {stride} bytes (slot_bytes {slot_bytes})")
+            if staging_bytes > cfg.io.max_staging_bytes:
+                # the daemon maps and pins (registers) this memory: bound what one request can make it hold
+                raise RequestError(ErrorCode.BAD_REQUEST,
+                                   f"staging of {staging_bytes} bytes exceeds io.max_staging_bytes "
+                                   f"({cfg.io.max_staging_bytes}); use fewer channels or a smaller geometry")
+            _prepare_memfd(fd, staging_bytes)
+            lba = self.device.lba_size
 
-        # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold
-        try:
-            breakdown = self.budgeter(channels, stride).sample()
-            b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
-        except (OSError, ValueError) as e:
-            log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
-            b_pc, budget = 0, {"error": str(e), "pagecache_budget_bytes": 0}
-        grant = self.ledger.available(b_pc)
-        budget["granted_bytes"] = grant
-        budget["held_by_others_bytes"] = self.ledger.held_bytes
-        try:
-            plan = plan_session(geometry, mode, grant, lba)
-        except ValueError as e:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"cannot plan this session: {e}") from None
+            # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold
+            try:
+                breakdown = self.budgeter(channels, stride).sample()
+                b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
+            except (OSError, ValueError) as e:
+                log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
+                b_pc, budget = 0, {"error": str(e), "pagecache_budget_bytes": 0}
+            # live sessions come first: retained prefixes leave the page cache for this one's whole KV set
+            free = self.ledger.available(b_pc)
+            self.prefixes.make_room_pagecache(free - min(free, geometry.kv_bytes))
+            grant = max(0, free - self.prefixes.pagecache_bytes)
+            budget["granted_bytes"] = grant
+            budget["held_by_others_bytes"] = self.ledger.held_bytes
+            try:
+                plan = plan_session(geometry, mode, grant, lba)
+            except ValueError as e:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"cannot plan this session: {e}") from None
 
-        sid = secrets.token_hex(4)
-        with self._lock:
-            while sid in self.sessions:
-                sid = secrets.token_hex(4)
-        sess = Session(sid, peer, geometry, plan, budget, self.stats)
-        if get_field(body, "checksums", bool, default=cfg.io.checksums):
-            sess.checksums = Checksums(geometry)
-        sess.live.replanner = self.replanner
-        quota = cfg.access.quota_bytes_per_uid.get(peer.uid, cfg.access.quota_bytes)
-        if quota and self.uid_bytes(peer.uid) + sess.storage_bytes > quota:
-            raise RequestError(ErrorCode.QUOTA_EXCEEDED,
-                               f"uid {peer.uid} would hold {self.uid_bytes(peer.uid) + sess.storage_bytes} bytes, "
-                               f"over its quota of {quota} (access.quota_bytes)")
-        try:
-            self._bind(sess, fd, channels, staging_bytes, slot_bytes, stride)
-        except BaseException:
-            self._release(sess, trim=False)
-            raise
-        with self._lock:
-            self.sessions[sid] = sess
-        self.ledger.admit(sid, plan)
-        self.stats.add("sessions_opened")
-        ext = sess.extent
-        event("session_open", session=sid, uid=peer.uid, pid=peer.pid, mode=mode.value, channels=channels,
-              layers=geometry.layers, kpu_bytes=geometry.kpu_bytes, pagecache_budget_bytes=b_pc,
-              group1_limit_bytes=plan.group1_limit_bytes, group1_layers=plan.group1_layers,
-              group1_kpus=len(plan.group1()), group2_kpus=len(plan.group2()),
-              extent=f"{ext.start}+{ext.nblocks}" if ext else "none",
-              registered=all(c.engine.registered for c in sess.channels))
-        return sess
+            sid = secrets.token_hex(4)
+            with self._lock:
+                while sid in self.sessions:
+                    sid = secrets.token_hex(4)
+            sess = Session(sid, peer, geometry, plan, budget, self.stats)
+            if get_field(body, "checksums", bool, default=cfg.io.checksums):
+                sess.checksums = Checksums(geometry)
+            sess.live.replanner = self.replanner
+            quota = cfg.access.quota_bytes_per_uid.get(peer.uid, cfg.access.quota_bytes)
+            if quota and self.uid_bytes(peer.uid) + sess.storage_bytes > quota:
+                raise RequestError(ErrorCode.QUOTA_EXCEEDED,
+                                   f"uid {peer.uid} would hold {self.uid_bytes(peer.uid) + sess.storage_bytes} bytes, "
+                                   f"over its quota of {quota} (access.quota_bytes)")
+            try:
+                self._bind(sess, fd, channels, staging_bytes, slot_bytes, stride)
+            except BaseException:
+                self._release(sess, trim=False)
+                raise
+            if found is not None:
+                try:
+                    sess.prefix_reply = self.prefixes.fill(sess, found)
+                except BaseException:
+                    self._release(sess, trim=True)
+                    raise
+            with self._lock:
+                self.sessions[sid] = sess
+            self.ledger.admit(sid, plan)
+            self.stats.add("sessions_opened")
+            ext = sess.extent
+            event("session_open", session=sid, uid=peer.uid, pid=peer.pid, mode=mode.value, channels=channels,
+                  layers=geometry.layers, kpu_bytes=geometry.kpu_bytes, pagecache_budget_bytes=b_pc,
+                  group1_limit_bytes=plan.group1_limit_bytes, group1_layers=plan.group1_layers,
+                  group1_kpus=len(plan.group1()), group2_kpus=len(plan.group2()),
+                  extent=f"{ext.start}+{ext.nblocks}" if ext else "none",
+                  registered=all(c.engine.registered for c in sess.channels))
+            return sess
+        finally:
+            if found is not None:
+                self.prefixes.cancel(found)
 
     def _bind(self, sess: Session, fd: int, channels: int, staging_bytes: int, slot_bytes: int,
               stride: int) -> None:
@@ -403,11 +450,13 @@ class SessionManager:
             except RegionFullError:
                 log.info("session %s: no room to reserve %d blocks; allocating the plan's %d",
                          sess.id, plan.reserve_blocks, blocks)
-        if blocks and extent is None:
+        while blocks and extent is None:
             try:
                 extent = self.allocator.allocate(blocks, owner=sess.id)
             except RegionFullError as e:
-                raise RequestError(ErrorCode.NO_SPACE, str(e)) from None
+                # live sessions come first: retained prefixes give their blocks back, least recently used first
+                if not self.prefixes.make_room_device():
+                    raise RequestError(ErrorCode.NO_SPACE, str(e)) from None
         sess.extent_store = extent_store = ExtentKPUStore(plan, extent, channels)
         # journal before anything touches storage, so a crash from here on is reclaimed
         self.journal_session(sess)
@@ -523,6 +572,36 @@ class SessionManager:
             self.journal.add(SessionRecord(id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=QUARANTINED,
                                            extents=[quarantined]))
         return trimmed
+
+    def retain(self, sess: Session, body: dict[str, Any]) -> dict[str, Any]:
+        """``retain``: keep the KV of the session's first whole token blocks as a retained prefix.
+
+        Every channel is held meanwhile, so the copy reads what the session's requests finished writing.
+        With ``close``, the session's page-cache budget is the entry's to take, and the session is closed
+        once the entry is made (a failed retain leaves it open, as it was).
+        """
+        close = get_field(body, "close", bool, default=False)
+        locked = []
+        try:
+            for c in sess.channels:
+                c.lock.acquire()
+                locked.append(c)
+            if sess.closing:
+                raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {sess.id} is closing")
+            if close:
+                self.ledger.release(sess.id)
+            try:
+                out = self.prefixes.retain(sess, sess.peer, body)
+            except BaseException:
+                if close:
+                    self.ledger.admit(sess.id, sess.plan)
+                raise
+        finally:
+            for c in locked:
+                c.lock.release()
+        if close:
+            self.close(sess, "retained")
+        return out
 
     def close_all(self, reason: str) -> None:
         for s in self.live_sessions():

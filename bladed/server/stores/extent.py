@@ -367,6 +367,14 @@ class ExtentKPUStore(KPUStore):
             self._tails[kpu.tensor_id] = tail
         return filled
 
+    def assume_written(self, nbytes: int) -> None:
+        """Every KPU holds ``nbytes`` written bytes already (a retained prefix rebuilt after a restart): edge LBAs
+        below that are read from the device, not taken as never written."""
+        with self._lock:
+            for tail in self._tails.values():
+                tail.fill = max(tail.fill, nbytes)
+                tail.forget()
+
     def describe(self) -> dict[str, object]:
         ext = self.map.extent
         return {"kpus": len(self._kpus), "extent": None if ext is None else {"start": ext.start,

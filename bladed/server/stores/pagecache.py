@@ -26,26 +26,31 @@ log = logging.getLogger("bladed.session")
 
 #: prefix of a session's page-cache directory (start-up removes what a crashed instance left)
 SESSION_DIR_PREFIX = "session-"
+#: prefix of a retained prefix's page-cache directory (start-up keeps those the journal lists as ready)
+RETAINED_DIR_PREFIX = "prefix-"
 
 
 class PageCacheKPUStore(KPUStore):
-    """One session's page-cache files: created with the session, removed at its end."""
+    """One session's (or retained prefix's) page-cache files: created with it, removed at its end."""
 
     path: ClassVar[KVPath] = KVPath.PAGECACHE
 
-    def __init__(self, root: str, session_id: str, kpus: Iterable[KPU]) -> None:
+    def __init__(self, root: str, owner_id: str, kpus: Iterable[KPU], *, dir_prefix: str = SESSION_DIR_PREFIX) -> None:
         self._kpus = {k.tensor_id: k for k in kpus}
-        self.directory = os.path.join(root, SESSION_DIR_PREFIX + session_id) if self._kpus else ""
+        self.directory = os.path.join(root, dir_prefix + owner_id) if self._kpus else ""
         self._files: dict[int, PageCacheFile] = {}
         self._store: PageCacheStore | None = None
         self._lock = threading.Lock()
 
-    def create(self) -> None:
-        """Make the directory and bind one (not yet materialized) file per KPU."""
+    def create(self, *, keep_existing: bool = False) -> None:
+        """Make the directory and bind one (not yet materialized) file per KPU.
+
+        ``keep_existing``: the files are already there (a retained prefix after a restart): keep their bytes.
+        """
         if not self._kpus:
             return
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self._store = PageCacheStore(self.directory)
+        self._store = PageCacheStore(self.directory, clean_stale=not keep_existing)
         for k in self._kpus.values():
             self._files[k.tensor_id] = self._store.open(k.name, k.nbytes)
 
@@ -77,6 +82,16 @@ class PageCacheKPUStore(KPUStore):
             a.served(KVPath.PAGECACHE, t0, hit)
         del keep
 
+    def file_paths(self) -> list[str]:
+        """The path of every KPU's file."""
+        return [f.path for f in self._files.values()]
+
+    def sync(self) -> None:
+        """Write every materialized file's dirty pages to storage and wait (a retained prefix before it is ready)."""
+        for f in list(self._files.values()):
+            if f.materialized:
+                f.sync()
+
     def drop(self, tensor_id: int) -> None:
         """Evict one KPU's pages now (a CachePolicy-Only demotion)."""
         self._files[tensor_id].drop()
@@ -92,19 +107,22 @@ class PageCacheKPUStore(KPUStore):
             del self._kpus[tensor_id]
             return f
 
-    def close(self) -> int:
-        """Unmap and remove every file and the directory; returns how many files there were."""
+    def close(self, *, remove: bool = True) -> int:
+        """Unmap every file, and remove the files and the directory unless ``remove`` is False (a retained
+        prefix at a clean stop: its files stay for the next start); returns how many files there were."""
         with self._lock:
             files, self._files = list(self._files.values()), {}
         for f in files:
             try:
-                f.close(unlink=True)
+                if not remove and f.materialized:
+                    f.sync()
+                f.close(unlink=remove)
             except OSError as e:
-                log.warning("removing page-cache file %s failed: %s", f.path, e)
+                log.warning("closing page-cache file %s failed: %s", f.path, e)
         if self._store is not None:
             self._store.close()
             self._store = None
-        if self.directory:
+        if self.directory and remove:
             shutil.rmtree(self.directory, ignore_errors=True)
         return len(files)
 
@@ -113,18 +131,21 @@ class PageCacheKPUStore(KPUStore):
                 "bytes": sum(self._kpus[t].pagecache_bytes for t in self._files)}
 
 
-def sweep_pagecache(root: str) -> int:
-    """Remove session directories a previous instance left in ``root``; returns how many."""
+def sweep_pagecache(root: str, keep: Iterable[str] = ()) -> int:
+    """Remove the session and retained-prefix directories a previous instance left in ``root``, except the
+    directories in ``keep``; returns how many."""
     n = 0
+    kept = {os.path.abspath(d) for d in keep if d}
     try:
         entries = os.listdir(root)
     except FileNotFoundError:
         return 0
     for name in entries:
-        if name.startswith(SESSION_DIR_PREFIX):
+        if name.startswith((SESSION_DIR_PREFIX, RETAINED_DIR_PREFIX)) and os.path.abspath(
+                os.path.join(root, name)) not in kept:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             n += 1
     return n
 
 
-__all__ = ["SESSION_DIR_PREFIX", "PageCacheKPUStore", "sweep_pagecache"]
+__all__ = ["RETAINED_DIR_PREFIX", "SESSION_DIR_PREFIX", "PageCacheKPUStore", "sweep_pagecache"]
