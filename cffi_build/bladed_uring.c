@@ -67,6 +67,9 @@ struct bd_ring {
     struct bd_xfer *done_head, *done_tail;  /* completed, not yet handed out */
     unsigned outstanding;                   /* queued + in flight + done-not-returned */
     unsigned ndone;                         /* length of the done list */
+    uint64_t read_window;                   /* most read bytes in flight at once, 0 = no limit */
+    uint64_t read_piece;                    /* largest read command under a window: read_window / 2 */
+    uint64_t reads_inflight;                /* read payload bytes in flight */
     struct iovec *bufs;
     unsigned nbufs;
     uint64_t n_submitted, n_completed, max_inflight, n_waits;
@@ -187,6 +190,14 @@ int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len)
 }
 
 unsigned bd_outstanding(struct bd_ring *r) { return r->outstanding; }
+
+void bd_ring_set_read_window(struct bd_ring *r, uint64_t bytes)
+{
+    r->read_window = bytes;
+    r->read_piece = bytes / 2;
+}
+
+uint64_t bd_ring_read_window(struct bd_ring *r) { return r->read_window; }
 
 void bd_ring_stats(struct bd_ring *r, uint64_t *out4)
 {
@@ -488,6 +499,24 @@ static unsigned fill(struct bd_ring *r)
             fail(x, BD_ERR_ERRNO, -ret, x->slba);
             continue;
         }
+        if (x->op == BD_OP_READ && r->read_window) {
+            /* A device serves its queue in order, so a small write submitted
+             * now (on any ring of the device) waits behind every read command
+             * already queued.  Under a read window a read moves in pieces of
+             * at most half the window, and at most the window is in flight:
+             * the device always has the next piece queued, and a write never
+             * finds more than the window of reads ahead of it. */
+            uint64_t lba = 1ull << x->target->lba_shift;
+            uint64_t piece = r->read_piece & ~(lba - 1);
+            if (piece < lba)
+                piece = lba;
+            if (c.len > piece) {
+                c.len = piece;
+                c.nlb = (uint32_t)((piece >> x->target->lba_shift) - 1);
+            }
+            if (r->reads_inflight && r->reads_inflight + c.len > r->read_window)
+                break;
+        }
         sqe = io_uring_get_sqe(&r->ring);
         if (!sqe)
             break;
@@ -507,6 +536,8 @@ static unsigned fill(struct bd_ring *r)
         if (!x->t_submit_ns)
             x->t_submit_ns = bd_monotonic_ns();
         x->next_off += c.len;
+        if (x->op == BD_OP_READ)
+            r->reads_inflight += c.len;
         x->inflight++;
         x->n_chunks++;
         r->inflight++;
@@ -536,6 +567,8 @@ static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
     } else if ((x->op == BD_OP_READ || x->op == BD_OP_WRITE) && (uint64_t)res != s->len) {
         fail(x, BD_ERR_SHORT, res, s->slba);
     }
+    if (x->op == BD_OP_READ)
+        r->reads_inflight -= s->len;
     s->x = NULL;
     s->next_free = r->free_head;
     r->free_head = idx;

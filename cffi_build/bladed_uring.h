@@ -113,8 +113,9 @@ int bd_ring_unregister_buffers(struct bd_ring *r);
 int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len);
 
 /* Streaming interface: queue transfers, then drive the ring.  bd_progress
- * keeps up to queue_depth commands in flight, moving straight from one
- * transfer's last chunk to the next transfer's first, and returns when at
+ * keeps up to queue_depth commands in flight (reads within the read window,
+ * below), moving straight from one transfer's last chunk to the next
+ * transfer's first, and returns when at
  * least min_done transfers have completed (fewer only if nothing is left).
  * Completed transfers are written to done[] (at most max_done; the rest stay
  * for the next call).  Returns the count, or -errno if the ring failed.
@@ -124,6 +125,15 @@ int bd_ring_buffer_index(struct bd_ring *r, const void *buf, uint64_t len);
 int bd_enqueue(struct bd_ring *r, struct bd_xfer *x);
 int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, unsigned max_done);
 unsigned bd_outstanding(struct bd_ring *r);
+/* The read window: at most `bytes` of read commands in flight on this ring
+ * at once (one command always may go), each read command at most bytes / 2
+ * rounded down to an LBA (at least one LBA), so that a write submitted on
+ * the same device never queues behind more than `bytes` of this ring's
+ * reads, while the next piece is always queued.  A windowed read then takes
+ * more commands than Eq. 8 counts.  0 (the default) = no limit: commands of
+ * Eq. 7 size, up to the queue depth. */
+void bd_ring_set_read_window(struct bd_ring *r, uint64_t bytes);
+uint64_t bd_ring_read_window(struct bd_ring *r);
 /* Counters since the ring was made: out[0] commands submitted, out[1]
  * commands completed, out[2] highest number in flight at once, out[3]
  * io_uring_enter calls that waited. */

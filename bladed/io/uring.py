@@ -234,7 +234,7 @@ class Transfer:
 
     @property
     def chunks(self) -> int:
-        """Commands the engine issued for this transfer (Eq. 8's n_chunks)."""
+        """Commands the engine issued for this transfer (Eq. 8's n_chunks; a read under a read window: its pieces)."""
         return int(self._c.n_chunks)
 
     @property
@@ -339,6 +339,22 @@ class Ring:
     @property
     def outstanding(self) -> int:
         return int(lib.bd_outstanding(self._ring))
+
+    @property
+    def read_window(self) -> int:
+        """Most read bytes in flight at once (reads go in pieces of half of it); 0: no limit (the default).
+
+        A device serves its queue in order: a write submitted on any ring of the
+        device waits behind the read commands already queued, so the window
+        bounds how long a small write can wait behind this ring's bulk reads.
+        """
+        return int(lib.bd_ring_read_window(self._ring))
+
+    @read_window.setter
+    def read_window(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise ValueError(f"read window must be 0 (no limit) or positive, got {nbytes}")
+        lib.bd_ring_set_read_window(self._ring, nbytes)
 
     def stats(self) -> dict[str, int]:
         """Engine counters: commands submitted/completed, peak in flight, waits."""

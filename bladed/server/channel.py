@@ -8,6 +8,9 @@ engine), so two copy threads overlap their storage I/O (overlap-intra,
 paper §IV-C).  The lock only matters when something else borrows the channel
 (a JSON ``read``/``write`` on the control connection, a live demotion, the
 session's teardown waiting for the request in flight).
+
+Each channel's ring reads through a window (:data:`READ_WINDOW_BYTES`), so
+that small writes of other channels pass its bulk reads at the device.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ import threading
 
 from bladed.io import Engine, StagingBuffer
 
+#: reads in flight on one channel's ring, in pieces of half of it: a one-token append on another channel waits
+#: behind at most this much of this channel's reads (the device serves its queue in order), not behind a whole
+#: multi-MiB read (docs/engine.md, "Read window")
+READ_WINDOW_BYTES = 1 << 20
+
 
 class Channel:
     """A ring bound to the session's device and one slot of the client's staging memory."""
@@ -23,6 +31,7 @@ class Channel:
     def __init__(self, index: int, engine: Engine, slot: StagingBuffer) -> None:
         self.index = index
         self.engine = engine
+        engine.ring.read_window = READ_WINDOW_BYTES
         self.slot = slot
         self.lock = threading.Lock()
         self.busy_ns = 0

@@ -224,6 +224,9 @@ class ExtentKPUStore(KPUStore):
                 xfers.append((i, eng.transfer(op, base + m0, slot, offset=a.slot_offset + m0 * L - a.offset,
                                               nbytes=(m1 - m0) * L)))
         if xfers:
+            # writes first: the ring issues transfers in order, and an append must not wait for a bulk read's
+            # last piece to be issued (the ranges are of distinct KPUs, so their order is free)
+            xfers.sort(key=lambda ix: ix[1].op is not Op.WRITE)
             eng.run([x for _, x in xfers], check=False)
             for i, x in xfers:
                 err = x.error()
