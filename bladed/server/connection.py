@@ -256,7 +256,8 @@ class Connection:
             return False
         self.greeted = True
         d = self.daemon
-        self.send(ok_reply(req_id, protocol=PROTOCOL_VERSION, server=f"bladed/{__version__}", pid=os.getpid(),
+        # the client's version: this daemon speaks it (an older client never sends what it added since)
+        self.send(ok_reply(req_id, protocol=proto, server=f"bladed/{__version__}", pid=os.getpid(),
                            lba_size=d.device.lba_size, staging_align=d.manager.staging_align,
                            max_channels=d.cfg.io.max_channels, max_frame_bytes=MAX_FRAME_BYTES,
                            max_ranges=d.cfg.io.max_outstanding))

@@ -65,6 +65,9 @@ LABELLED = {"sessions_closed": "reason", "connections_refused": "reason", "bad_r
             "prefix_evictions": "reason"}
 #: why a connection is refused (before its hello): the label values of bladed_connections_refused_total
 REFUSALS = ("not_allowed", "too_many")
+#: why a retained prefix is evicted (bladed.server.prefix): known up front, so they start at 0 too
+PREFIX_EVICTIONS = ("device_quota", "pagecache_quota", "live_session", "region_full", "superseded", "requested",
+                    "unverified", "integrity_error", "io_error")
 
 
 class Stats:
@@ -100,6 +103,7 @@ class Stats:
         #: the LABELLED counters by label value; the refusal reasons are known up front, so they start at 0
         self.by_label: dict[str, dict[str, int]] = {name: {} for name in LABELLED}
         self.by_label["connections_refused"] = dict.fromkeys(REFUSALS, 0)
+        self.by_label["prefix_evictions"] = dict.fromkeys(PREFIX_EVICTIONS, 0)
 
     def observe_io(self, path: str, op: str, nbytes: int, seconds: float, hit_ratio: float | None = None) -> None:
         with self._lock:
