@@ -6,6 +6,12 @@
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
     cache.close()
 
+Prefix reuse (bladed keeps the KV of earlier prompts; docs/transformers.md)::
+
+    cache = BladedCache.open(model.config, 1, max_tokens, dtype=torch.float32, prompt_ids=ids, model_id="org/name")
+    out = model.generate(ids, past_key_values=cache, ...)  # prefills only ids[:, cache.prefix_tokens:]
+    cache.retain(out[0], close=True)                        # keep this request's KV for the next
+
 Every layer's K/V is written to bladed as it is produced (prefill: all
 tokens; decode: the new token at its offset). Only the layer being computed
 is resident: after a layer's update its tensors are dropped, and the next
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -156,11 +163,12 @@ def _init_layer(layer: DynamicLayer) -> None:
 class BladedLayer(DynamicLayer):
     """One decoder layer's K/V, resident only while the layer is in use."""
 
-    def __init__(self, transfer: _Transfer, index: int) -> None:
+    def __init__(self, transfer: _Transfer, index: int, cached_tokens: int = 0) -> None:
         _init_layer(self)
         self._t = transfer
         self.index = index
-        self._len = 0
+        # tokens whose K/V the backend already holds (a retained prefix): read back at the first update
+        self._len = cached_tokens
         self._pending: LoadHandle | None = None
 
     # -- shim: 4.57 calls lazy_initialization(key_states), 5.x (key_states, value_states)
@@ -253,36 +261,85 @@ class BladedCache(Cache):
     ``dtype`` is what the cache stores: the model's K/V dtype or a wider one; a narrower one (which
     rounds the KV) is refused unless ``lossy_dtype``. ``prefetch`` reads layer ``j+1`` while layer
     ``j`` computes; ``pipeline`` picks the copy-thread strategy (``adaptive``: the per-group choice
-    between overlap-intra and overlap-cross of Dual-Blade §IV-C).
+    between overlap-intra and overlap-cross of Dual-Blade §IV-C). ``cached_tokens``: the backend
+    already holds the K/V of that many leading tokens of every layer (a reused prefix, see :meth:`open`);
+    ``model_id`` names the model for :meth:`retain`; ``prompt_tokens`` (the prompt's length given at open)
+    makes the first forward check that it brings the rest of that prompt.
     """
 
     def __init__(self, backend: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  copy_threads: int = 2, prefetch: bool = True, pipeline: PipelineMode = "adaptive",
-                 lossy_dtype: bool = False) -> None:
+                 lossy_dtype: bool = False, cached_tokens: int = 0, model_id: str | None = None,
+                 prompt_tokens: int | None = None) -> None:
         self.backend = backend
         self.geometry = backend.geometry
         self._transfer = _Transfer(backend, dtype, torch.device(device), copy_threads, pipeline, lossy_dtype)
         self.prefetch_enabled = prefetch
         self._iteration = -1
-        self._blayers = [BladedLayer(self._transfer, j) for j in range(self.geometry.layers)]
+        #: leading prompt tokens whose K/V came from a retained prefix: ``generate`` does not compute them
+        self.prefix_tokens = cached_tokens
+        #: the retained prefix they came from (None: a miss, or no prompt given at open)
+        self.prefix_entry: str | None = None
+        self._model_id = model_id
+        self._prompt_tokens = prompt_tokens
+        self._closed = False
+        self._blayers = [BladedLayer(self._transfer, j, cached_tokens) for j in range(self.geometry.layers)]
         _init_cache(self, self._blayers)
 
     @classmethod
     def open(cls, config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype = torch.float32,
              mode: str = "dualblade", socket_path: str | None = None, client: Any = None,
-             channels: int = 2, **kw: Any) -> BladedCache:
+             channels: int = 2, *, prompt_ids: Any = None, model_id: str | None = None, **kw: Any) -> BladedCache:
         """Open a bladed session sized for ``config`` and wrap it.
 
         ``socket_path`` None: the socket :func:`bladed.config.find_socket` finds, as ``bladectl`` does.
+
+        ``prompt_ids`` (batch 1: a tensor ``[1, n]`` or ``[n]``, or a list): reuse a prefix bladed retained
+        for the same model (``model_id``, default ``config.name_or_path``), dtype and KV shape. The daemon
+        copies the K/V of the longest retained prefix of the prompt (whole blocks) into the session, and
+        the cache reports those tokens as already there (:attr:`prefix_tokens`, at most ``n - 1``: the
+        last prompt token is always computed, for its logits), so ``generate`` with the same prompt
+        prefills only the rest. :meth:`retain` keeps a request's K/V for the next one.
         """
+        from bladed.client import Client, PrefixKey  # floor 2: only the client library
+
         geo = geometry_for(config, batch_size, max_tokens, dtype)
-        backend = BladedKV.open(geo, mode=mode, channels=channels, socket_path=socket_path, client=client)
-        return cls(backend, dtype=dtype, copy_threads=channels, **kw)
+        model = model_id or getattr(config, "name_or_path", "") or None
+        key, tokens = None, []
+        if prompt_ids is not None:
+            tokens = _token_ids(prompt_ids)
+            if batch_size != 1:
+                raise ValueError(f"prefix reuse (prompt_ids=) needs batch_size=1, got {batch_size}; open one cache "
+                                 "per sequence")
+            if not tokens:
+                raise ValueError("prompt_ids is empty; pass the prompt's token ids")
+            if model is None:
+                raise ValueError("prefix reuse needs the model's identity and config.name_or_path is empty; pass "
+                                 "model_id= (a name that tells the model's weights apart)")
+            key = PrefixKey(model, _dtype_name(dtype), tokens)
+        own = None
+        if client is None:
+            client = own = Client(socket_path=socket_path)
+        try:
+            sess = client.open_session(geo, mode=mode, channels=channels, slot_bytes=geo.kpu_bytes, prefix=key)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
+        backend = BladedKV(sess, geo, owns_client=own)
+        # a whole-prompt match still recomputes the last token: generate needs its logits to sample from
+        cached = min(sess.prefix_tokens, len(tokens) - 1) if key is not None else 0
+        cache = cls(backend, dtype=dtype, copy_threads=channels, cached_tokens=cached, model_id=model,
+                    prompt_tokens=len(tokens) if key is not None else None, **kw)
+        cache.prefix_entry = sess.prefix_entry
+        return cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self._transfer.raise_errors()
         if layer_idx == 0:
+            if self._iteration < 0 and self._prompt_tokens is not None:
+                self._check_prompt(key_states.shape[-2])
             if self._iteration >= 0:
                 self._transfer.pipe.end_iteration()
             self._iteration += 1
@@ -294,6 +351,13 @@ class BladedCache(Cache):
             self._blayers[(layer_idx + 1) % len(self._blayers)].prefetch()
         return keys, values
 
+    def _check_prompt(self, n: int) -> None:
+        """The first forward must bring the rest of the prompt given at open (else the reused K/V is another's)."""
+        if self.prefix_tokens + n != self._prompt_tokens:
+            raise ValueError(f"the first forward brings {n} tokens after the {self.prefix_tokens} reused ones, but "
+                             f"the cache was opened for a prompt of {self._prompt_tokens} tokens; pass the same ids "
+                             "to BladedCache.open(prompt_ids=) and to generate")
+
     def get_seq_length(self, layer_idx: int = 0, *args: Any, **kwargs: Any) -> int:
         if layer_idx >= len(self._blayers):
             return 0
@@ -303,8 +367,37 @@ class BladedCache(Cache):
     def pipeline_report(self) -> dict[str, Any]:
         return self._transfer.pipe.report()
 
+    def retain(self, tokens: Any, *, close: bool = False) -> dict[str, Any]:
+        """Keep the K/V this cache holds as a retained prefix, for later caches opened with a prompt starting so.
+
+        ``tokens``: the sequence's ids (``generate``'s output row, or a ``[1, n]`` tensor, or a list); ids past
+        :meth:`get_seq_length` are left out (the last generated token was never fed, so it has no K/V). bladed
+        keeps the whole blocks of ``prefix.block_tokens``. ``close``: close the cache with it (the end of a
+        request; the entry may then take the session's page-cache budget). Returns ``{"entry", "tokens",
+        "new"}``; bladed's refusals (retention off or over quota, less than one block) raise its error.
+        """
+        from bladed.client import PrefixKey
+
+        session = getattr(self.backend, "session", None)
+        if session is None or not hasattr(session, "retain"):
+            raise ValueError("retain needs a cache on a bladed session; open it with BladedCache.open")
+        if self._model_id is None:
+            raise ValueError("retain needs the model's identity and config.name_or_path is empty; open the cache "
+                             "with model_id= (a name that tells the model's weights apart)")
+        ids = _token_ids(tokens)[: self.get_seq_length()]
+        self._transfer.pool.drain()             # the daemon keeps what it has: every write must be there
+        self._transfer.raise_errors()
+        out: dict[str, Any] = session.retain(ids, PrefixKey(self._model_id, _dtype_name(self._transfer.dtype)),
+                                             close=close)
+        if close:
+            self.close()
+        return out
+
     def close(self) -> None:
-        """Wait for outstanding writes, stop the copy threads, close the backend."""
+        """Wait for outstanding writes, stop the copy threads, close the backend (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._transfer.close()
         finally:
@@ -315,6 +408,19 @@ class BladedCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """Token ids of one sequence: a tensor ``[n]`` or ``[1, n]``, or a sequence of ints."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise ValueError(f"token ids of shape {tuple(ids.shape)}: prefix reuse takes one sequence, [n] or [1, n]")
+        return [int(t) for t in ids.tolist()]
+    if isinstance(ids, Sequence) and not isinstance(ids, str | bytes):
+        return [int(t) for t in ids]
+    raise ValueError(f"token ids must be a tensor or a list of ints, got {type(ids).__name__}")
 
 
 __all__ = ["BladedCache", "BladedLayer", "Geometry", "geometry_for"]

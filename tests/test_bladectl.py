@@ -21,7 +21,7 @@ from daemon_util import ROOT, DaemonProcess, documented_exit_statuses, env_with_
 
 from bladed.cli.bladectl import cli
 from bladed.cli.common import EXIT_STATUSES
-from bladed.client import Client
+from bladed.client import Client, PrefixKey
 
 GEOMETRY = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 KPU = 8 * 4096
@@ -105,6 +105,50 @@ def test_trim_only_without_sessions(daemon: DaemonProcess, nowhere: str) -> None
     assert "not confirmed" in failure(r, 1, "not_confirmed") and "TRIM the whole KV region" in r.stderr
     t = as_json(bladectl("trim", "--yes", "--json", socket=daemon.socket_path))
     assert t["trimmed_bytes"] == 64 << 20 and t["blocks"] == 16384
+
+
+def retain_prompts(socket: str, prompts: list[list[int]]) -> list[str]:
+    """Retain each prompt's KV (written as zeros) under the model "tiny-model"; the entry ids."""
+    geo = {"layers": 2, "batch": 1, "kv_heads": 2, "head_dim": 64, "dtype_bytes": 2, "max_tokens": 32}
+    ids = []
+    with Client(socket) as c:
+        for tokens in prompts:
+            s = c.open_session(geo, channels=1, prefix=PrefixKey("tiny-model", "float16", tokens))
+            for layer in range(2):
+                for kind in "kv":
+                    s.write(layer, kind, 0, 0, len(tokens))
+            ids.append(s.retain(tokens, close=True)["entry"])
+        with c.open_session(geo, channels=1, prefix=PrefixKey("tiny-model", "float16", prompts[0])) as s:
+            assert s.prefix_tokens == 16                                # a hit on the first one
+    return ids
+
+
+def test_prefixes_lists_and_evicts_the_retained_prefixes(daemon: DaemonProcess, nowhere: str) -> None:
+    sock = daemon.socket_path
+    first, second = retain_prompts(sock, [[1000 + i for i in range(20)], [2000 + i for i in range(20)]])
+    listed = as_json(bladectl("prefixes", "--json", socket=sock))
+    assert listed["scope"] == f"uid:{os.getuid()}" and listed["block_tokens"] == 16
+    by_id = {e["entry"]: e for e in listed["prefixes"]}
+    assert set(by_id) == {first, second}
+    e = by_id[first]
+    assert (e["model"], e["dtype"], e["tokens"], e["hits"], e["in_use"]) == ("tiny-model", "float16", 16, 1, 0)
+    assert e["pagecache_bytes"] + e["device_bytes"] == 4 * 16 * 256    # 4 KPUs of 16 rows of 256 bytes
+    human = bladectl("prefixes", socket=sock).output
+    assert human.startswith(f"scope uid:{os.getuid()}, blocks of 16 tokens: 2 retained prefixes\n")
+    assert "LAST USED" in human and "MODEL" in human
+    (row,) = [line for line in human.splitlines() if line.startswith(first)]
+    assert row.split()[1:3] == [f"uid:{os.getuid()}", "16"] and row.endswith(" tiny-model")
+
+    assert as_json(bladectl("prefixes", "evict", first, "--json", socket=sock)) == {"evicted": [first]}
+    gone = failure(run("prefixes", "evict", first, "--json", "--socket", sock, cwd=nowhere), 1, "bad_request")
+    assert gone == f"no retained prefix {first!r} (see bladectl prefixes)"
+    assert failure(run("prefixes", "evict", "--json", "--socket", sock, cwd=nowhere), 2, "usage") == (
+        "give one retained prefix ENTRY or --all; see `bladectl prefixes evict --help`")
+    assert one_line(run("prefixes", "evict", second, "--all", "--socket", sock, cwd=nowhere), 2) == (
+        "give ENTRY or --all, not both; see `bladectl prefixes evict --help`")
+    assert bladectl("prefixes", "evict", "--all", socket=sock).output == f"evicted 1 retained prefix: {second}\n"
+    assert bladectl("prefixes", socket=sock).output == (
+        f"scope uid:{os.getuid()}, blocks of 16 tokens: 0 retained prefixes\n")
 
 
 def test_ns_list_on_a_host_without_nvme() -> None:

@@ -88,5 +88,5 @@ def test_python_snippet_runs_as_written_beside_a_daemon(quick_start: DaemonProce
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{where} failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
-    # through this daemon: the snippet's process opened a session and closed it
-    assert quick_start.wait_event("session_close", pid=proc.pid)["reason"] == "closed"
+    # through this daemon: the snippet's process opened a session and closed it (or closed it retaining its KV)
+    assert quick_start.wait_event("session_close", pid=proc.pid)["reason"] in ("closed", "retained")

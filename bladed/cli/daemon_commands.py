@@ -1,5 +1,5 @@
 """The ``bladectl`` commands that talk to a running bladed: ``status``, ``sessions``, ``stats``,
-``budget``, ``trim``.
+``budget``, ``prefixes`` (and ``prefixes evict``), ``trim``.
 
 They go through the same socket and protocol as the client library, found by
 :func:`bladed.config.find_socket`.
@@ -22,6 +22,7 @@ from bladed.cli.common import (
     EXIT_USAGE,
     Command,
     Failure,
+    Group,
     emit,
     global_options,
     kv,
@@ -240,5 +241,51 @@ def trim(yes: bool) -> None:
         f"trimmed {size(d['trimmed_bytes'])} (LBA {d['start_lba']} + {d['blocks']}) in {d['seconds'] * 1e3:.1f} ms"))
 
 
+def _when(t: Any) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t))) if t else "-"
+
+
+def _prefixes_table(d: dict[str, Any]) -> None:
+    rows = d["prefixes"]
+    click.echo(f"scope {d['scope']}, blocks of {d['block_tokens']} tokens: {len(rows)} retained "
+               f"prefix{'es' if len(rows) != 1 else ''}")
+    if not rows:
+        return
+    click.echo(f"{'ENTRY':<14} {'SCOPE':<10} {'TOKENS':>6} {'DTYPE':<8} {'PAGECACHE':>10} {'DEVICE':>10} "
+               f"{'HITS':>5} {'IN USE':>6} {'LAST USED':<19} MODEL")
+    for e in rows:
+        click.echo(f"{e['entry']:<14} {e['scope']:<10} {e['tokens']:>6} {e['dtype']:<8} "
+                   f"{size(e['pagecache_bytes']):>10} {size(e['device_bytes']):>10} {e['hits']:>5} "
+                   f"{e['in_use']:>6} {_when(e['last_used']):<19} {e['model']}")
+
+
+@click.group(cls=Group, invoke_without_command=True)
+@global_options
+@click.pass_context
+def prefixes(ctx: click.Context) -> None:
+    """Retained prefixes (yours only unless you are an admin): id, tokens, bytes on each path, hits, last use.
+
+    bladed keeps the KV of a prompt's whole token blocks when a client retains it, and copies it into a later
+    session whose prompt starts the same (docs/transformers.md, "Prefix reuse"). `prefixes evict` drops some.
+    """
+    if ctx.invoked_subcommand is None:
+        emit(call(lambda c: c.prefixes()), _prefixes_table)
+
+
+@prefixes.command("evict")
+@global_options
+@click.argument("entry", required=False)
+@click.option("--all", "every", is_flag=True, help="Every retained prefix you may see (all of them for an admin).")
+def prefixes_evict(entry: str | None, every: bool) -> None:
+    """Evict the retained prefix ENTRY (an id from `bladectl prefixes`), or --all; their storage is freed."""
+    if (entry is None) == (not every):
+        raise click.UsageError("give one retained prefix ENTRY or --all" if entry is None
+                               else "give ENTRY or --all, not both")
+    evicted = call(lambda c: c.evict_prefixes(entry))
+    emit({"evicted": evicted},
+         lambda d: click.echo(f"evicted {len(d['evicted'])} retained prefix{'es' if len(d['evicted']) != 1 else ''}"
+                              + (f": {' '.join(d['evicted'])}" if d["evicted"] else "")))
+
+
 #: the commands, for the root group
-COMMANDS = (status, sessions, stats, budget, trim)
+COMMANDS = (status, sessions, stats, budget, prefixes, trim)
