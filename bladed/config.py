@@ -106,6 +106,9 @@ class IOConfig:
     checksums: bool = False
     #: most staging memory (all channels) one session may have the daemon map and pin
     max_staging_bytes: int = 4 << 30
+    #: reads one channel keeps in flight (in pieces of half of it), so other channels' appends pass its bulk reads;
+    #: 0 = no window (every piece of a read submitted at once)
+    read_window_bytes: int = 1 << 20
 
 
 @dataclass
@@ -288,7 +291,7 @@ def format_size(n: int) -> str:
 
 
 _SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "access.quota_bytes",
-              "io.max_staging_bytes", "prefix.device_bytes", "prefix.pagecache_bytes"}
+              "io.max_staging_bytes", "io.read_window_bytes", "prefix.device_bytes", "prefix.pagecache_bytes"}
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, problems: list[str]) -> Any:
@@ -437,6 +440,9 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"io.max_outstanding: must be 1..{MAX_RANGES} (ranges per I/O request), got {io.max_outstanding}")
     if io.max_staging_bytes < 4096:
         p.append(f"io.max_staging_bytes: must be at least 4096, got {io.max_staging_bytes}")
+    if io.read_window_bytes and io.read_window_bytes < 8192:
+        p.append(f"io.read_window_bytes: must be 0 (no window) or at least 8192 (two 4 KiB pieces), got "
+                 f"{io.read_window_bytes}")
     if io.send_timeout_s <= 0:
         p.append(f"io.send_timeout_s: must be positive, got {io.send_timeout_s}")
     s = cfg.socket

@@ -9,8 +9,9 @@ paper §IV-C).  The lock only matters when something else borrows the channel
 (a JSON ``read``/``write`` on the control connection, a live demotion, the
 session's teardown waiting for the request in flight).
 
-Each channel's ring reads through a window (:data:`READ_WINDOW_BYTES`), so
-that small writes of other channels pass its bulk reads at the device.
+Each channel's ring reads through a window (``io.read_window_bytes``,
+default :data:`READ_WINDOW_BYTES`), so that small writes of other channels
+pass its bulk reads at the device.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ READ_WINDOW_BYTES = 1 << 20
 class Channel:
     """A ring bound to the session's device and one slot of the client's staging memory."""
 
-    def __init__(self, index: int, engine: Engine, slot: StagingBuffer) -> None:
+    def __init__(self, index: int, engine: Engine, slot: StagingBuffer, read_window: int = READ_WINDOW_BYTES) -> None:
         self.index = index
         self.engine = engine
-        engine.ring.read_window = READ_WINDOW_BYTES
+        engine.ring.read_window = read_window
         self.slot = slot
         self.lock = threading.Lock()
         self.busy_ns = 0

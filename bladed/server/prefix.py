@@ -242,7 +242,7 @@ class PrefixCache:
         """A private ring and staging slot of one KPU: copies never pass through a client's memory."""
         slot = StagingBuffer(align_up(geometry.kpu_bytes, max(PAGE_SIZE, self.device.lba_size)))
         try:
-            return Channel(0, Engine(self.device, self.cfg.io.queue_depth, [slot]), slot)
+            return Channel(0, Engine(self.device, self.cfg.io.queue_depth, [slot]), slot, self.cfg.io.read_window_bytes)
         except BaseException:
             slot.close()
             raise

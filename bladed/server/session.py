@@ -478,7 +478,7 @@ class SessionManager:
                 for s in slots[ch:]:
                     s.close()
                 raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {ch}: {e}") from None
-            sess.channels.append(Channel(ch, engine, slot))
+            sess.channels.append(Channel(ch, engine, slot, self.cfg.io.read_window_bytes))
         if plan.mode in (Mode.DIRECT, Mode.DUALBLADE):
             # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
             extent_store.prepare()
