@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import grp
+import importlib.util
 import os
 import re
 import tomllib
@@ -146,6 +147,14 @@ class PrefixConfig:
     pagecache_bytes: int = 64 << 20
     #: who sees a retained prefix: "uid" (the peer's uid) or "group" (the peer's primary group)
     scope: str = "uid"
+    #: the shared tier: a Redis URL (redis://HOST:PORT/DB, rediss:// for TLS, unix:///PATH); "" = off
+    shared_url: str = ""
+    #: a file whose first line is the Redis password, or USER:PASSWORD for an ACL user ("" = none)
+    shared_credentials: str = ""
+    #: CA certificate file that verifies a rediss:// server ("" = the system's)
+    shared_tls_ca: str = ""
+    #: longest wait for one Redis call; an error or timeout is a miss, and the tier is skipped for 5 s
+    shared_timeout_s: float = 0.25
 
 
 @dataclass
@@ -470,6 +479,19 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"prefix.block_tokens: must be within 1..4096, got {pr.block_tokens}")
     if pr.scope not in PREFIX_SCOPES:
         p.append(f"prefix.scope: must be one of {', '.join(PREFIX_SCOPES)}, got {pr.scope!r}")
+    if pr.shared_url:
+        if not pr.shared_url.startswith(("redis://", "rediss://", "unix://")):
+            p.append(f"prefix.shared_url: expected redis://HOST:PORT/DB, rediss://... or unix:///PATH, got "
+                     f"{pr.shared_url!r}")
+        elif importlib.util.find_spec("redis") is None:
+            p.append("prefix.shared_url: the shared tier needs the 'redis' Python package "
+                     "(pip install 'bladed[shared]')")
+        for key in ("shared_credentials", "shared_tls_ca"):
+            path = getattr(pr, key)
+            if path and not os.access(path, os.R_OK):
+                p.append(f"prefix.{key}: {path} is not a readable file")
+    if pr.shared_timeout_s <= 0:
+        p.append(f"prefix.shared_timeout_s: must be positive, got {pr.shared_timeout_s}")
     m = cfg.metrics
     if m.listen.startswith("unix:"):
         if not m.listen[5:]:

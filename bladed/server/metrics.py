@@ -100,6 +100,11 @@ class Stats:
         self.prefix_reused_tokens = 0
         self.prefix_retained = 0
         self.prefix_evictions = 0
+        #: the shared tier (bladed.server.shared_tier)
+        self.prefix_shared_hits = 0
+        self.prefix_shared_published = 0
+        self.prefix_shared_rejected = 0
+        self.prefix_shared_errors = 0
         #: the LABELLED counters by label value; the refusal reasons are known up front, so they start at 0
         self.by_label: dict[str, dict[str, int]] = {name: {} for name in LABELLED}
         self.by_label["connections_refused"] = dict.fromkeys(REFUSALS, 0)
@@ -159,6 +164,10 @@ class Stats:
                 "prefix_reused_tokens": self.prefix_reused_tokens,
                 "prefix_retained": self.prefix_retained,
                 "prefix_evictions": self.prefix_evictions,
+                "prefix_shared_hits": self.prefix_shared_hits,
+                "prefix_shared_published": self.prefix_shared_published,
+                "prefix_shared_rejected": self.prefix_shared_rejected,
+                "prefix_shared_errors": self.prefix_shared_errors,
             } | {f"{name}_by_{label}": dict(self.by_label[name]) for name, label in LABELLED.items()}
 
     def histograms(self) -> dict[tuple[str, str], tuple[list[int], float]]:
@@ -181,6 +190,10 @@ _COUNTERS = (
     ("prefix_misses", "Sessions opened with a prefix key that found none"),
     ("prefix_reused_tokens", "Tokens of KV copied from retained prefixes into new sessions (prefill skipped)"),
     ("prefix_retained", "Prefixes retained"),
+    ("prefix_shared_hits", "Sessions that found their prefix on the shared tier (Redis)"),
+    ("prefix_shared_published", "Retained prefix blocks published to the shared tier"),
+    ("prefix_shared_rejected", "Shared-tier blocks that did not verify (truncated or corrupt): misses"),
+    ("prefix_shared_errors", "Shared-tier calls that failed or timed out: misses"),
 )
 #: the LABELLED counters: stat -> (metric, help)
 _LABELLED_COUNTERS = {

@@ -39,14 +39,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
 from bladed.config import Config
 from bladed.io import BladedIOError, Engine, ExtentDevice, StagingBuffer
-from bladed.protocol import ErrorCode, IOOp, IORange, RequestError, get_field
+from bladed.protocol import ErrorCode, IOOp, IORange, RangeResult, RequestError, get_field
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.geometry import DTYPE_BYTES, GEOMETRY_FIELDS, Geometry
 from bladed.residency.planner import KPU, Mode, Plan, plan_session
@@ -55,13 +55,23 @@ from bladed.server.events import Peer, event
 from bladed.server.integrity import row_crcs
 from bladed.server.lifecycle import scrub
 from bladed.server.metrics import Stats
+from bladed.server.shared_tier import SharedTier, block_key
 from bladed.server.state import READY, WRITING, Journal, RetainedRecord
 from bladed.server.stores import Access, ExtentKPUStore, PageCacheKPUStore
 from bladed.server.stores.pagecache import RETAINED_DIR_PREFIX
 from bladed.sizes import PAGE_SIZE, align_up
 
-if TYPE_CHECKING:
-    from bladed.server.session import Session
+
+class SessionKV(Protocol):
+    """What the prefix cache uses of a session (``bladed.server.session.Session``, which imports this module)."""
+
+    id: str
+    geometry: Geometry
+    prefix_key: tuple[str, str] | None
+
+    def transfer(self, ch: Channel, ranges: Sequence[IORange]) -> list[RangeResult]: ...
+
+    def filled_tokens(self) -> int: ...
 
 log = logging.getLogger("bladed.prefix")
 
@@ -182,6 +192,8 @@ class Lookup:
     ntokens: int
     entry: Entry | None
     blocks: int
+    #: the verified blocks the shared tier gave (used instead of ``entry`` when it reaches further)
+    remote: list[bytes] = field(default_factory=list)
 
 
 def _crc_path(state_dir: str, entry_id: str) -> str:
@@ -204,6 +216,8 @@ class PrefixCache:
         #: page-cache bytes live sessions leave free (set by the session manager: ledger.available(B_pc) less what
         #: the entries hold)
         self.pagecache_room: Callable[[], int] = lambda: 0
+        #: the shared tier (``prefix.shared_url``; bladed.server.shared_tier), None when off
+        self.shared = SharedTier(cfg.prefix, stats) if cfg.prefix.shared_url else None
         os.makedirs(os.path.join(cfg.state_dir, "prefixes"), mode=0o700, exist_ok=True)
 
     # -- figures ----------------------------------------------------------------------------
@@ -254,8 +268,18 @@ class PrefixCache:
         model, dtype, tokens = parse_key(raw, geometry, where="prefix")
         seed = seed_of(model, dtype, geometry)
         chain = block_chain(seed, tokens, self.block_tokens)
-        entry, blocks = self._acquire(self.scope_of(peer), seed, chain)
-        return Lookup(model, dtype, len(tokens), entry, blocks)
+        scope = self.scope_of(peer)
+        entry, blocks = self._acquire(scope, seed, chain)
+        found = Lookup(model, dtype, len(tokens), entry, blocks)
+        if self.shared is not None and blocks < len(chain):
+            # a local miss (or a shorter hit) asks the shared tier; its blocks are used only if they reach further
+            B = self.block_tokens
+            keys = [block_key(scope, seed.hex(), B, h) for h in chain]
+            remote = self.shared.fetch(keys, 2 * geometry.layers * B * geometry.token_bytes)
+            if len(remote) > blocks:
+                self.cancel(found)
+                found.remote, found.blocks = remote, len(remote)
+        return found
 
     def cancel(self, found: Lookup) -> None:
         """The session was not opened after all: let go of the entry."""
@@ -263,13 +287,15 @@ class PrefixCache:
             self._release(found.entry)
             found.entry = None
 
-    def fill(self, sess: Session, found: Lookup) -> dict[str, Any]:
+    def fill(self, sess: SessionKV, found: Lookup) -> dict[str, Any]:
         """Copy the prefix :meth:`lookup` found into ``sess`` (bound, not yet serving); returns the reply's
         ``prefix`` object (``tokens`` 0 on a miss)."""
         B = self.block_tokens
         sess.prefix_key = (found.model, found.dtype)
         entry = found.entry
-        reply: dict[str, Any] = {"tokens": 0, "block_tokens": B, "entry": None}
+        reply: dict[str, Any] = {"tokens": 0, "block_tokens": B, "entry": None, "source": None}
+        if found.remote:
+            return reply | self._fill_remote(sess, found)
         if entry is None:
             self.stats.add("prefix_misses")
             return reply
@@ -284,8 +310,31 @@ class PrefixCache:
         entry.hits += 1
         self.stats.add("prefix_hits")
         self.stats.add("prefix_reused_tokens", ntokens)
-        event("prefix_hit", session=sess.id, entry=entry.id, tokens=ntokens, of=found.ntokens)
-        return reply | {"tokens": ntokens, "entry": entry.id}
+        event("prefix_hit", session=sess.id, entry=entry.id, tokens=ntokens, of=found.ntokens, source="local")
+        return reply | {"tokens": ntokens, "entry": entry.id, "source": "local"}
+
+    def _fill_remote(self, sess: SessionKV, found: Lookup) -> dict[str, Any]:
+        """Write the blocks the shared tier gave (each verified) into ``sess``, KPU by KPU."""
+        B, tb, L = self.block_tokens, sess.geometry.token_bytes, sess.geometry.layers
+        span = B * tb
+        n = len(found.remote) * B
+        ch = self._copy_channel(sess.geometry)
+        try:
+            slot = ch.slot.view()
+            for tid in range(2 * L):
+                for b, payload in enumerate(found.remote):
+                    slot[b * span:(b + 1) * span] = payload[tid * span:(tid + 1) * span]
+                (r,) = sess.transfer(ch, [IORange(IOOp.WRITE, tid, 0, n, 0)])
+                if r.error is not None:
+                    raise RequestError(r.error, f"copying the shared prefix into the session: {r.message}")
+            del slot
+        finally:
+            ch.close()
+        self.stats.add("prefix_hits")
+        self.stats.add("prefix_shared_hits")
+        self.stats.add("prefix_reused_tokens", n)
+        event("prefix_hit", session=sess.id, entry="shared", tokens=n, of=found.ntokens, source="shared")
+        return {"tokens": n, "source": "shared"}
 
     def _acquire(self, scope: str, seed: bytes, chain: list[str]) -> tuple[Entry | None, int]:
         """The entry of ``scope`` sharing the most leading blocks with ``chain`` (held against eviction)."""
@@ -308,7 +357,7 @@ class PrefixCache:
                 best.last_used = time.time()
         return best, best_n
 
-    def _copy_out(self, entry: Entry, sess: Session, blocks: int) -> bool:
+    def _copy_out(self, entry: Entry, sess: SessionKV, blocks: int) -> bool:
         """Copy ``blocks`` whole blocks of every KPU from ``entry`` into ``sess``, each verified against its crcs
         first; False (and the entry evicted) if one does not verify or cannot be read."""
         B = entry.rec.block_tokens
@@ -337,7 +386,7 @@ class PrefixCache:
         return True
 
     # -- retain ------------------------------------------------------------------------------
-    def retain(self, sess: Session, peer: Peer, body: dict[str, Any]) -> dict[str, Any]:
+    def retain(self, sess: SessionKV, peer: Peer, body: dict[str, Any]) -> dict[str, Any]:
         """Copy the KV of the session's first whole blocks into a new entry (``retain``)."""
         pr = self.cfg.prefix
         if not pr.device_bytes and not pr.pagecache_bytes:
@@ -360,7 +409,7 @@ class PrefixCache:
         if not chain:
             raise RequestError(ErrorCode.BAD_REQUEST, f"retain needs at least one whole block of {B} tokens "
                                                       f"(prefix.block_tokens), got {len(tokens)} tokens")
-        written = min(sess.live.filled.get(t, 0) for t in range(2 * sess.geometry.layers))
+        written = sess.filled_tokens()
         if written < len(chain) * B:
             raise RequestError(ErrorCode.BAD_REQUEST, f"retain of {len(chain) * B} tokens, but the session has "
                                                       f"written only the first {written} of every KPU")
@@ -374,8 +423,9 @@ class PrefixCache:
         geometry = Geometry(**{f: getattr(sess.geometry, f) for f in GEOMETRY_FIELDS if f != "max_tokens"},
                             max_tokens=len(chain) * B)
         entry = self._make(scope, model, dtype, seed_hex, geometry, chain, sess.id)
+        blocks_out = [bytearray(2 * geometry.layers * B * geometry.token_bytes) for _ in chain] if self.shared else None
         try:
-            self._copy_in(entry, sess)
+            self._copy_in(entry, sess, blocks_out)
         except BaseException:
             self._drop(entry, "failed")
             raise
@@ -387,6 +437,9 @@ class PrefixCache:
         for e in older:
             self.evict(e, "superseded")
         self.stats.add("prefix_retained")
+        if self.shared is not None and blocks_out is not None:
+            self.shared.publish([(block_key(scope, seed_hex, B, h), bytes(buf)) for h, buf in zip(chain, blocks_out,
+                                                                                                 strict=True)])
         event("prefix_retain", session=sess.id, entry=entry.id, tokens=entry.tokens, scope=scope,
               pagecache_bytes=entry.pagecache_bytes, device_bytes=entry.device_bytes)
         return {"entry": entry.id, "tokens": entry.tokens, "new": True}
@@ -440,8 +493,9 @@ class PrefixCache:
                 if not self.evict_lru("region_full", lambda en: en.device_bytes > 0):
                     raise RequestError(ErrorCode.NO_SPACE, f"no room to retain the prefix: {e}") from None
 
-    def _copy_in(self, entry: Entry, sess: Session) -> None:
-        """Copy the session's first ``entry.tokens`` tokens of every KPU into the entry, recording the crcs."""
+    def _copy_in(self, entry: Entry, sess: SessionKV, blocks_out: list[bytearray] | None = None) -> None:
+        """Copy the session's first ``entry.tokens`` tokens of every KPU into the entry, recording the crcs (and
+        gathering each block's rows of every KPU into ``blocks_out`` for the shared tier)."""
         B = entry.rec.block_tokens
         n = entry.tokens
         tb = sess.geometry.token_bytes
@@ -453,6 +507,12 @@ class PrefixCache:
                 if r.error is not None:
                     raise RequestError(r.error, f"reading the session's KV to retain it: {r.message}")
                 entry.crcs[tid] = _block_crcs(ch.slot, n // B, B * tb)
+                if blocks_out is not None:
+                    span = B * tb
+                    rows = ch.slot.view()
+                    for b, buf in enumerate(blocks_out):
+                        buf[tid * span:(tid + 1) * span] = rows[b * span:(b + 1) * span]
+                    del rows
                 a = Access(IOOp.WRITE, kpu, 0, n, 0, n * tb, 0)
                 entry.store_of(kpu).run(ch, [a])
                 if a.result.error is not None:
@@ -656,6 +716,8 @@ class PrefixCache:
         for e in entries:
             e.extent_store.close()
             e.pagecache.close(remove=False)
+        if self.shared is not None:
+            self.shared.close()
 
 
 def _fields(geometry: Geometry) -> dict[str, int]:
@@ -675,4 +737,4 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["Entry", "Lookup", "PrefixCache", "block_chain", "parse_key", "seed_of"]
+__all__ = ["Entry", "Lookup", "PrefixCache", "SessionKV", "block_chain", "parse_key", "seed_of"]

@@ -244,6 +244,11 @@ class Session:
         """
         return self._run(ch, self._check(ranges, len(ranges)))
 
+    def filled_tokens(self) -> int:
+        """Tokens ``[0, n)`` written in every KPU (what ``retain`` may keep)."""
+        filled = self.live.filled
+        return min(filled.get(t, 0) for t in range(2 * self.geometry.layers))
+
     def _run(self, ch: Channel, checked: list[tuple[IORange, int, int, int]]) -> list[RangeResult]:
         pagecache, extent_store = self.stores()
         live = self.live
