@@ -206,6 +206,10 @@ class BladedKV:
     For callers that do not wait for their writes anyway (the runner with
     ``overlap``): a failed deferred write raises at the request that carried
     it.
+
+    Opened with a ``prefix`` key (``bladed.client.PrefixKey``), the session may
+    start with the KV of a retained prefix (:attr:`prefix_tokens`), and
+    :meth:`retain` keeps the session's KV as one when the run is over.
     """
 
     def __init__(self, session: Any, geometry: Geometry, owns_client: Any = None, *,
@@ -233,15 +237,47 @@ class BladedKV:
 
     @classmethod
     def open(cls, geometry: Geometry, mode: str = "dualblade", channels: int = 2,
-             socket_path: str | None = None, client: Any = None, *, defer_writes: bool = False) -> BladedKV:
+             socket_path: str | None = None, client: Any = None, *, defer_writes: bool = False,
+             prefix: Any = None) -> BladedKV:
+        """Open a session; ``prefix``: a ``PrefixKey`` to start from the longest retained prefix of its tokens."""
         from bladed import client as bclient  # floor 2: only the client library
 
         own = None
         if client is None:
             client = own = bclient.Client(socket_path=socket_path)
         slot = geometry.kpu_bytes + (DEFER_ROWS * geometry.token_bytes if defer_writes else 0)
-        sess = client.open_session(geometry, mode=mode, channels=channels, slot_bytes=slot)
+        try:
+            sess = client.open_session(geometry, mode=mode, channels=channels, slot_bytes=slot, prefix=prefix)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
         return cls(sess, geometry, owns_client=own, defer_writes=defer_writes)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Leading tokens whose KV a retained prefix put in the session at open (0: none)."""
+        return int(getattr(self.session, "prefix_tokens", 0) or 0)
+
+    def retain(self, tokens: list[int]) -> dict[str, Any]:
+        """Send the deferred writes, then keep the KV of the first whole blocks of ``tokens`` (the ids of the
+        token rows written, from token 0) as a retained prefix and close the session with it.
+
+        Returns the daemon's ``{"entry", "tokens", "new"}``; ``{"entry": None, "tokens": 0, "new": False,
+        "skipped": why}`` when nothing was kept (fewer tokens than a block, retention off or over its quota);
+        the session then stays open for :meth:`close`.
+        """
+        from bladed.protocol import QuotaExceededError
+
+        self.flush()
+        block = int(self.session.client.prefixes()["block_tokens"])
+        if len(tokens) < block:
+            why = f"{len(tokens)} tokens, fewer than one block of {block} (prefix.block_tokens)"
+            return {"entry": None, "tokens": 0, "new": False, "skipped": why}
+        try:
+            return dict(self.session.retain(tokens, close=True))
+        except QuotaExceededError as e:
+            return {"entry": None, "tokens": 0, "new": False, "skipped": str(e)}
 
     prepinned = True  # the client registers the staging mapping with CUDA itself
 

@@ -13,6 +13,13 @@ Offloaded KV moves through the copy threads: prefill writes every offloaded laye
 token's K/V at ``pos`` (Algorithm 2 offsets: ``token_start * token_bytes``). With ``overlap``
 the load of the next offloaded (layer, batch) is issued before the current one computes
 (``prefetch_cache``, layer-ahead prefetch) and writes are not waited for.
+
+Prefix reuse: a backend opened with a prefix key may start with the KV of the prompt's first
+``prefix_tokens`` tokens already in it (a retained prefix, copied in by bladed). The prefill then
+computes only tokens ``[prefix_tokens, prompt_len)`` at their own positions (rotary offsets, OPT's
+learned positions), attending to the prefix's KV read back like a decode step's past; at least the
+prompt's last token is computed, for the logits. ``generate(retain_prefix=True)`` ends by keeping
+the KV the run wrote (the prompt and every generated token fed back) as a retained prefix.
 """
 
 from __future__ import annotations
@@ -86,6 +93,12 @@ class GenerationResult:
     tiers: list[str] = field(default_factory=list)
     plans: list[dict[str, Any]] = field(default_factory=list)
     load_wait_s: float = 0.0
+    #: leading prompt tokens whose KV came from a retained prefix: the prefill computed the rest
+    prefix_tokens: int = 0
+    #: seconds to open the KV backends (with prefix reuse: the lookup and the copy of the prefix's KV)
+    open_latency: float = 0.0
+    #: per KV backend, what ``retain_prefix`` kept (the backend's reply), in GPU batch order
+    retained: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def gen_len(self) -> int:
@@ -95,12 +108,19 @@ class GenerationResult:
     def total_latency(self) -> float:
         return self.prefill_latency + self.decode_latency
 
+    @property
+    def ttft(self) -> float:
+        """Time to first token: opening the KV backends (finding and copying a prefix) plus the prefill step."""
+        return self.open_latency + self.prefill_latency
+
     def throughputs(self) -> dict[str, float]:
         b = self.batch
         dec_tokens = b * max(0, self.gen_len - 1)
+        computed = self.prompt_len - self.prefix_tokens  # the prefill's own tokens
         return {
+            "ttft_s": self.ttft,
             "prefill_latency_s": self.prefill_latency,
-            "prefill_throughput_tok_s": b * self.prompt_len / self.prefill_latency if self.prefill_latency else 0.0,
+            "prefill_throughput_tok_s": b * computed / self.prefill_latency if self.prefill_latency else 0.0,
             "decode_latency_s": self.decode_latency,
             "decode_throughput_tok_s": dec_tokens / self.decode_latency if self.decode_latency else 0.0,
             "total_latency_s": self.total_latency,
@@ -138,15 +158,25 @@ class Runner:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, gen_len: int, eos_token_id: int | None = None,
-                 on_step: Callable[[int, float], None] | None = None) -> GenerationResult:
+                 on_step: Callable[[int, float], None] | None = None, *,
+                 retain_prefix: bool = False) -> GenerationResult:
         """Greedy generation of up to ``gen_len`` tokens (fewer when every sequence produced ``eos_token_id``).
 
         ``on_step(tokens_done, step_seconds)`` is called after each step (the first is the prefill).
+        A KV backend that starts with a retained prefix (its ``prefix_tokens``) spares the prefill those
+        tokens. ``retain_prefix``: at the end each backend with a ``retain`` method (one sequence per GPU
+        batch) keeps the KV written (the prompt and the generated tokens fed back) and closes with it.
         """
         prompt_len = self._check_request(input_ids, gen_len)
+        if retain_prefix and self.policy.gpu_batch_size != 1:
+            raise ValueError(f"retain_prefix keeps one sequence per KV backend; gpu_batch_size is "
+                             f"{self.policy.gpu_batch_size}, use 1")
         gen = _Generation(self, prompt_len, gen_len)
         try:
+            opened = time.perf_counter()
             gen.open_kv_backends()
+            gen.open_latency = time.perf_counter() - opened
+            gen.start = gen.reused_prefix()
             gen.set_prompt(input_ids)
             for step in range(gen_len):
                 gen.begin_step(step)
@@ -167,6 +197,8 @@ class Runner:
                 if gen.all_finished(tokens, eos_token_id):
                     break
             gen.wait_for_writes()
+            if retain_prefix:
+                gen.retain_kv()
             return gen.result()
         finally:
             gen.close()
@@ -226,6 +258,10 @@ class _Generation:
         self.writes: list[Future[Any]] = []
         self.resident_kv: dict[tuple[int, int], KVPair] = {}  # (layer, GPU batch) -> KV on the device or host
         self.load_wait_s = 0.0
+        self.open_latency = 0.0
+        self.start = 0                    # the prefill's first position: tokens before it came from a prefix
+        self.retained: list[dict[str, Any]] = []
+        self.prompt_ids = torch.empty(0, dtype=torch.long)
         self.step = 0
         self.position = 0                 # the position of the step's first input token
         self.inputs: list[torch.Tensor] = []   # per GPU batch: the token ids the step feeds in
@@ -255,10 +291,21 @@ class _Generation:
                                  f"channels >= {need}")
             self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False)))
 
+    def reused_prefix(self) -> int:
+        """The leading prompt tokens whose KV every backend already holds (a retained prefix), at most all
+        but the last (whose logits the first token needs). 0 when a layer's KV is kept on the device or in
+        host memory: only offloaded layers come with a prefix, so every token is computed again."""
+        if not self.backends or any(tier != "disk" for tier in self.tiers):
+            return 0
+        reused = min(int(getattr(backend, "prefix_tokens", 0) or 0) for backend in self.backends)
+        return min(reused, self.prompt_len - 1)
+
     def set_prompt(self, input_ids: torch.Tensor) -> None:
-        """Split the prompts into the GPU batches, on the compute device: the prefill's inputs."""
+        """Split the prompts into the GPU batches, on the compute device: the prefill's inputs (from ``start``)."""
         size = self.policy.gpu_batch_size
-        self.inputs = [input_ids[b * size:(b + 1) * size].to(self.device) for b in range(self.policy.num_gpu_batches)]
+        self.prompt_ids = input_ids.cpu()
+        self.inputs = [input_ids[b * size:(b + 1) * size, self.start:].to(self.device)
+                       for b in range(self.policy.num_gpu_batches)]
 
     def close(self) -> None:
         """Stop the copy threads (after their queued jobs), unmap the staging slots, close the backends."""
@@ -276,7 +323,7 @@ class _Generation:
         self.step_started = time.perf_counter()
         self.pipeline.begin_iteration(step)
         self.step = step
-        self.position = 0 if step == 0 else self.prompt_len + step - 1
+        self.position = self.start if step == 0 else self.prompt_len + step - 1
         self.hidden = [self.model.embed(ids, self.position) for ids in self.inputs]
         self.prefetched = {}
 
@@ -288,12 +335,13 @@ class _Generation:
         return {name: w.to(self.device, non_blocking=True) for name, w in self.runner._host_weights[layer].items()}
 
     def load_cache(self, layer: int, gpu_batch: int) -> KVPair | None:
-        """The KV of tokens ``[0, position)`` of (layer, GPU batch) on the compute device; None at prefill.
+        """The KV of tokens ``[0, position)`` of (layer, GPU batch) on the compute device; None at a prefill
+        from token 0 (a prefill after a reused prefix reads the prefix's KV).
 
         Offloaded: the load prefetched for it, or one issued now, waited for (the wait counts in
         ``load_wait_s``). Kept on the device or in host memory: those tensors, moved to the device.
         """
-        if self.step == 0:
+        if self.position == 0:
             return None
         if self.tiers[layer] != "disk":
             keys, values = self.resident_kv[(layer, gpu_batch)]
@@ -308,9 +356,9 @@ class _Generation:
         """With ``overlap``: issue the load of the next offloaded (layer, GPU batch) after this one.
 
         Called once this one's KV is loaded and before it computes; one load ahead at most (none
-        while a prefetched load is still to be used), none at prefill (there is no KV to read).
+        while a prefetched load is still to be used), none at a prefill from token 0 (no KV to read).
         """
-        if self.step == 0 or self.prefetched:
+        if self.position == 0 or self.prefetched:
             return
         upcoming = next((pair for pair in self.offloaded_order if pair > (layer, gpu_batch)), None)
         if upcoming is not None:
@@ -337,7 +385,7 @@ class _Generation:
     def store_cache(self, layer: int, gpu_batch: int, new_kv: KVPair, full_kv: KVPair) -> None:
         """Keep (layer, GPU batch)'s KV on its tier.
 
-        Offloaded: write the step's new tokens (prefill ``[0, prompt_len)``, decode the one at
+        Offloaded: write the step's new tokens (prefill ``[start, prompt_len)``, decode the one at
         ``position``) to the backend, K then V, through the copy threads; waited for at once
         unless ``overlap``. On the device or in host memory: keep the whole KV (host: copied to
         host memory on CUDA).
@@ -387,6 +435,17 @@ class _Generation:
             write.result()
         self.step_latencies[-1] += time.perf_counter() - wait_started
 
+    def retain_kv(self) -> None:
+        """Keep each backend's KV as a retained prefix: its sequence's prompt and the generated tokens fed back
+        (the last one never was), written from token 0; the backend closes with it."""
+        fed = torch.stack(self.out_tokens[:-1], dim=1) if len(self.out_tokens) > 1 else None
+        for gpu_batch, backend in enumerate(self.backends):
+            retain = getattr(backend, "retain", None)
+            if retain is None:
+                continue
+            tokens = self.prompt_ids[gpu_batch].tolist() + ([] if fed is None else fed[gpu_batch].tolist())
+            self.retained.append(dict(retain(tokens)))
+
     def result(self) -> GenerationResult:
         """The generated tokens and logits, the step latencies, and the KV path's stats, pipeline and plans."""
         steps = self.step_latencies
@@ -397,7 +456,8 @@ class _Generation:
             batch=policy.num_gpu_batches * policy.gpu_batch_size, stats=self.stats.as_dict(),
             pipeline=self.pipeline.report(), tiers=list(self.tiers),
             plans=[dict(getattr(backend, "plan", {}) or {}) for backend in self.backends],
-            load_wait_s=self.load_wait_s,
+            load_wait_s=self.load_wait_s, prefix_tokens=self.start, open_latency=self.open_latency,
+            retained=self.retained,
         )
 
     # -- the copy threads' jobs ------------------------------------------

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -119,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-len", type=int, default=None,
                         help=f"a random prompt of this many tokens instead (default: {DEFAULT_PROMPT_LEN} for "
                              "models without a tokenizer)")
+    prompt.add_argument("--chat", default=None, metavar="FILE",
+                        help="a multi-turn chat: FILE holds one user message per line ('-': stdin); every turn "
+                             "sends the whole conversation so far (--system, the earlier turns with their replies, "
+                             "the new message) through the chat template, generates up to --gen-len tokens and "
+                             "reports its time to first token (models with a tokenizer)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message ahead of --prompt or the --chat conversation; @FILE reads it from FILE")
+    p.add_argument("--reuse-prefix", action="store_true",
+                   help="open the KV session with the prompt's token ids as a prefix key: the KV of the longest "
+                        "prefix bladed retained for this model (whole blocks of prefix.block_tokens) starts the "
+                        "session and is not prefilled again; at the end the run's KV (prompt and generated tokens) "
+                        "is retained for later runs. Needs --backend bladed, one sequence and every layer's KV "
+                        "in bladed")
     p.add_argument("--gen-len", type=int, default=32,
                    help="tokens to generate per sequence (fewer when every sequence ends, see --stop-at-eos)")
     p.add_argument("--gpu-batch-size", type=int, default=1, help="sequences per GPU batch")
@@ -184,6 +197,42 @@ def check_args(a: argparse.Namespace) -> None:
         model_kind(a.model)
     except ValueError as e:
         raise UsageError(f"--model: {e}") from None
+    if a.reuse_prefix:
+        if a.backend == "memory":
+            raise UsageError("--reuse-prefix: retained prefixes live in bladed; drop --backend memory (or "
+                             "--reuse-prefix)")
+        if a.gpu_batch_size * a.num_gpu_batches != 1:
+            raise UsageError(f"--reuse-prefix: a retained prefix is the KV of one sequence, the batch is "
+                             f"{a.gpu_batch_size} x {a.num_gpu_batches}; give --gpu-batch-size 1 "
+                             "--num-gpu-batches 1")
+        if a.percent[2] or a.percent[3]:
+            raise UsageError(f"--reuse-prefix: only the KV in bladed is retained and found again, --percent puts "
+                             f"{a.percent[2]:g}% of the layers' KV on the GPU and {a.percent[3]:g}% in host memory; "
+                             "give --percent WG WC 0 0 AG AC")
+    if a.system is not None and a.prompt_len is not None:
+        raise UsageError("--system: a system message goes through the chat template, --prompt-len makes random "
+                         "token ids; give --prompt TEXT or --chat FILE instead of --prompt-len")
+    if a.system is not None and a.system.startswith("@"):
+        a.system = _read_text(a.system[1:], "--system @FILE", "a text file with the system message")
+    a.chat_messages = None
+    if a.chat is not None:
+        text = _read_text(a.chat, "--chat", "a text file with one user message per line")
+        a.chat_messages = [line.strip() for line in text.splitlines() if line.strip()]
+        if not a.chat_messages:
+            raise UsageError(f"--chat {a.chat}: no user message in it; give a text file with one user message "
+                             "per line")
+
+
+def _read_text(path: str, flag: str, what: str) -> str:
+    """The text of ``path`` (``-``: stdin), or UsageError naming the flag."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(f"{flag} {path}: cannot read it ({why}); give {what}") from None
 
 
 def pick_device(flag: str | None) -> str:
@@ -248,6 +297,8 @@ def format_report(res: GenerationResult, model_bytes: int, cache_bytes: int, hid
         f"{t['decode_throughput_tok_s']:.3f} token/s",
         f"total latency: {t['total_latency_s']:.3f} s\ttotal throughput: "
         f"{t['total_throughput_tok_s']:.3f} token/s",
+        f"time to first token: {res.ttft:.3f} s\t(KV open {res.open_latency:.3f} s + prefill "
+        f"{res.prefill_latency:.3f} s)",
         f"bladed: mode {info['mode']}  backend {info['backend']}  kv tiers {info['tiers']}  "
         f"overlap {info['overlap']}  load wait {res.load_wait_s:.3f} s",
     ]
@@ -268,12 +319,32 @@ class _RunState:
     client: Any = None                # the bladed client, once connected
 
 
+class _KVFactory:
+    """Opens the runner's bladed sessions; with a prefix key set, each looks its tokens up among the retained
+    prefixes (``prefix_tokens``: how many leading tokens the last opened session got from one)."""
+
+    def __init__(self, client: Any, a: argparse.Namespace) -> None:
+        self.client, self.a = client, a
+        self.key: Any = None              # a bladed.client.PrefixKey, or None
+        self.prefix_tokens = 0
+
+    def __call__(self, g: Geometry) -> KVBackend:
+        a = self.a
+        # with --overlap writes are not waited for: a decode step's appends ride on the next read
+        kv = BladedKV.open(g, mode=a.mode, channels=a.copy_threads, client=self.client, defer_writes=a.overlap,
+                           prefix=self.key)
+        self.prefix_tokens = kv.prefix_tokens
+        return kv
+
+
 class _Meter:
     """The engine's per-step callback as progress: the prefill once, then decode tokens/s as it goes."""
 
-    def __init__(self, progress: Progress, batch: int, prompt_len: int, gen_len: int) -> None:
+    def __init__(self, progress: Progress, batch: int, prompt_len: int, gen_len: int,
+                 reused: Callable[[], int] = lambda: 0) -> None:
         self.progress = progress
         self.batch, self.prompt_len, self.gen_len = batch, prompt_len, gen_len
+        self.reused = reused
         self.steps = 0
         self.decode_s = 0.0
 
@@ -281,7 +352,9 @@ class _Meter:
         raise_if_interrupted()
         self.steps = done
         if done == 1:
-            self.progress.note(f"prefill: {self.batch} x {self.prompt_len} tokens in {step_s:.2f} s")
+            n = self.reused()
+            from_prefix = f" (KV of {n} from a retained prefix)" if n else ""
+            self.progress.note(f"prefill: {self.batch} x {self.prompt_len} tokens{from_prefix} in {step_s:.2f} s")
             return
         self.decode_s += step_s
         rate = self.batch * (done - 1) / self.decode_s if self.decode_s > 0 else 0.0
@@ -387,6 +460,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                  copy_threads=a.copy_threads)
     with contextlib.ExitStack() as stack:
         factory: Any
+        bladed_factory: _KVFactory | None = None
         if a.backend == "memory":
             def factory(g: Geometry) -> KVBackend:
                 return MemoryKV(g, channels=max(2, a.copy_threads))
@@ -412,50 +486,70 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                 raise UsageError(f"--copy-threads {a.copy_threads}: bladed at {client.socket_path} takes at most "
                                  f"{most} channels per session (its io.max_channels); give --copy-threads {most} "
                                  "or less")
-
-            def factory(g: Geometry) -> KVBackend:
-                # with --overlap writes are not waited for: a decode step's appends ride on the next read
-                return BladedKV.open(g, mode=a.mode, channels=a.copy_threads, client=client, defer_writes=a.overlap)
+            factory = bladed_factory = _KVFactory(client, a)
         lm = load_model(model_name, dtype, a.state_dir, a.seed, progress=progress.step)
         cfg = lm.model.cfg
-        if a.prompt is not None and lm.tokenizer is None:
-            raise UsageError(f"--prompt: {cfg.name} has no tokenizer (it takes token ids); give --prompt-len N "
-                             f"for a random N-token prompt, or a model with a tokenizer ({SMOLLM2} or a checkpoint)")
-        if lm.tokenizer is not None and a.prompt_len is None:
-            text = a.prompt if a.prompt is not None else DEFAULT_PROMPT
-            enc = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+        for flag, given in (("--prompt", a.prompt is not None), ("--chat", a.chat is not None),
+                            ("--system", a.system is not None)):
+            if given and lm.tokenizer is None:
+                raise UsageError(f"{flag}: {cfg.name} has no tokenizer (it takes token ids); give --prompt-len N "
+                                 f"for a random N-token prompt, or a model with a tokenizer ({SMOLLM2} or a "
+                                 "checkpoint)")
+        stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
+        eos = cfg.eos_token_id if stop else None
+        runner = Runner(lm.model, pol, kv_factory=factory, device=device)
+        dtype_name = str(dtype).removeprefix("torch.")
+
+        def generate(ids: torch.Tensor) -> GenerationResult:
+            """One request: the prompt ``ids`` (with --reuse-prefix: its key, and the KV retained at the end)."""
+            prompt_len = int(ids.shape[1])
+            if bladed_factory is not None:
+                bladed_factory.prefix_tokens = 0
+                if a.reuse_prefix:
+                    from bladed.client import PrefixKey
+
+                    bladed_factory.key = PrefixKey(lm.identity, dtype_name, ids[0].tolist())
+            meter = _Meter(progress, batch, prompt_len, a.gen_len,
+                           reused=lambda: bladed_factory.prefix_tokens if bladed_factory else 0)
+            progress.status(f"prefill: {batch} x {prompt_len} tokens ...")
+            try:
+                return runner.generate(ids, a.gen_len, eos_token_id=eos, on_step=meter, retain_prefix=a.reuse_prefix)
+            except ValueError as e:
+                # the engine checks the request before it runs anything (prompt + gen_len against the
+                # model's positions); a ValueError once steps ran, or from bladed, is not the user's
+                if meter.steps or isinstance(e, BladedError):
+                    raise
+                flags = "--chat, --system" if a.chat is not None else "--prompt / --prompt-len"
+                raise UsageError(f"{e} ({flags}, --gen-len)") from None
+
+        def template(messages: list[dict[str, str]]) -> torch.Tensor:
+            assert lm.tokenizer is not None      # checked above for --prompt, --chat and --system
+            system = [{"role": "system", "content": a.system}] if a.system is not None else []
+            enc = lm.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True,
                                                    return_tensors="pt")
-            ids = enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+            return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+
+        info = {"mode": a.mode, "backend": a.backend, "overlap": a.overlap, "model": cfg.name, "source": lm.source,
+                "device": device, "dtype": dtype_name, "reuse_prefix": a.reuse_prefix}
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        if a.chat_messages is not None:
+            return _chat(a, progress, generate, template, a.chat_messages, lm.tokenizer, eos, info,
+                         {"policy": pol.percent})
+        if lm.tokenizer is not None and a.prompt_len is None:
+            ids = template([{"role": "user", "content": a.prompt if a.prompt is not None else DEFAULT_PROMPT}])
             ids = ids.repeat(batch, 1)
         else:
             g = torch.Generator().manual_seed(a.seed)
             ids = torch.randint(3, min(cfg.vocab_size, 50000), (batch, a.prompt_len or DEFAULT_PROMPT_LEN),
                                 generator=g)
-        stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
-        eos = cfg.eos_token_id if stop else None
         prompt_len = int(ids.shape[1])
-        runner = Runner(lm.model, pol, kv_factory=factory, device=device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        meter = _Meter(progress, batch, prompt_len, a.gen_len)
-        progress.status(f"prefill: {batch} x {prompt_len} tokens ...")
-        try:
-            res = runner.generate(ids, a.gen_len, eos_token_id=eos, on_step=meter)
-        except ValueError as e:
-            # the engine checks the request before it runs anything (prompt + gen_len against the
-            # model's positions); a ValueError once steps ran, or from bladed, is not the user's
-            if meter.steps or isinstance(e, BladedError):
-                raise
-            raise UsageError(f"{e} (--prompt / --prompt-len, --gen-len)") from None
+        res = generate(ids)
         progress.clear()
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     db = lm.model.weights[next(iter(lm.model.weights))].element_size()
-    info = {"mode": a.mode, "backend": a.backend, "overlap": a.overlap, "model": cfg.name, "source": lm.source,
-            "tiers": _tiers(res.tiers), "device": device, "dtype": str(dtype).removeprefix("torch.")}
-    ended = eos is not None and bool((res.tokens == eos).any(dim=1).all())
-    stop_reason = "eos" if ended else "gen_len"
-    stopped = (f"stopped: end-of-sequence token after {res.gen_len} of {a.gen_len} tokens" if ended
-               else f"stopped: reached --gen-len {a.gen_len}")
+    info["tiers"] = _tiers(res.tiers)
+    stop_reason, stopped = _stopped(res, eos, a.gen_len)
     text = None
     if lm.tokenizer is not None:
         text = [lm.tokenizer.decode(_until(res.tokens[b].tolist(), eos), skip_special_tokens=True)
@@ -465,6 +559,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     if a.json:
         out = {"info": info, "policy": pol.percent, "prompt_len": prompt_len, "gen_len": res.gen_len,
                "gen_len_limit": a.gen_len, "stop_reason": stop_reason, "batch": batch, **res.throughputs(),
+               "prefix_tokens": res.prefix_tokens, "retained": res.retained[0] if res.retained else None,
                "load_wait_s": res.load_wait_s, "stats": res.stats, "pipeline": res.pipeline, "plans": res.plans,
                "text": text, "tokens": res.tokens.tolist()}
         print(json.dumps(out))
@@ -473,7 +568,70 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
             for t in text[:4]:
                 print(t)
         print(stopped)
+        if a.reuse_prefix:
+            print(_prefix_line(res))
         print(format_report(res, cfg.weight_bytes(db), cache_b, hidden_b, peak, info))
+    return 0
+
+
+def _stopped(res: GenerationResult, eos: int | None, gen_len: int) -> tuple[str, str]:
+    """Why generation stopped: ``eos`` or ``gen_len``, and the line saying so."""
+    if eos is not None and bool((res.tokens == eos).any(dim=1).all()):
+        return "eos", f"stopped: end-of-sequence token after {res.gen_len} of {gen_len} tokens"
+    return "gen_len", f"stopped: reached --gen-len {gen_len}"
+
+
+def _prefix_line(res: GenerationResult) -> str:
+    """--reuse-prefix: how many prompt tokens a retained prefix supplied, and what this run retained."""
+    if res.prefix_tokens:
+        found = f"prefix: KV of {res.prefix_tokens} of {res.prompt_len} prompt tokens from a retained prefix"
+    else:
+        found = f"prefix: no retained prefix of the {res.prompt_len} prompt tokens (a miss)"
+    kept = res.retained[0] if res.retained else {}
+    if kept.get("entry"):
+        return f"{found}; retained {kept['tokens']} tokens as entry {kept['entry']}"
+    return f"{found}; nothing retained: {kept.get('skipped', 'no KV in bladed')}"
+
+
+def _chat(a: argparse.Namespace, progress: Progress, generate: Callable[[torch.Tensor], GenerationResult],
+          template: Callable[[list[dict[str, str]]], torch.Tensor], messages: list[str], tokenizer: Any,
+          eos: int | None, info: dict[str, Any], extra: dict[str, Any]) -> int:
+    """--chat: one request per user message, each with the whole conversation so far as its prompt; prints each
+    reply and its turn's line (prompt tokens, those from a retained prefix, time to first token)."""
+    turns: list[dict[str, Any]] = []
+    history: list[dict[str, str]] = []
+    n = len(messages)
+    for i, message in enumerate(messages, 1):
+        raise_if_interrupted()
+        history.append({"role": "user", "content": message})
+        ids = template(history)
+        res = generate(ids)
+        progress.clear()
+        reply = tokenizer.decode(_until(res.tokens[0].tolist(), eos), skip_special_tokens=True)
+        history.append({"role": "assistant", "content": reply})
+        stop_reason, stopped = _stopped(res, eos, a.gen_len)
+        t = res.throughputs()
+        turn = {"turn": i, "user": message, "prompt_len": res.prompt_len, "prefix_tokens": res.prefix_tokens,
+                "ttft_s": res.ttft, "open_latency_s": res.open_latency, "prefill_latency_s": res.prefill_latency,
+                "decode_latency_s": res.decode_latency, "decode_throughput_tok_s": t["decode_throughput_tok_s"],
+                "gen_len": res.gen_len, "stop_reason": stop_reason,
+                "retained": res.retained[0] if res.retained else None, "stats": res.stats, "text": reply,
+                "tokens": res.tokens[0].tolist()}
+        turns.append(turn)
+        if not a.json:
+            print(f"turn {i}/{n} user: {message}")
+            print(reply)
+            print(f"turn {i}/{n}: {res.prompt_len} prompt tokens, {res.prefix_tokens} from a retained prefix; time "
+                  f"to first token {res.ttft:.3f} s; {res.gen_len} tokens, decode {t['decode_throughput_tok_s']:.2f} "
+                  f"token/s; {stopped}", flush=True)
+            if a.reuse_prefix:
+                print(_prefix_line(res), flush=True)
+    info["tiers"] = _tiers(res.tiers)
+    ttfts = [turn["ttft_s"] for turn in turns]
+    if a.json:
+        print(json.dumps({"info": info, **extra, "gen_len_limit": a.gen_len, "ttft_s": ttfts, "turns": turns}))
+    else:
+        print(f"chat: {n} turns; time to first token per turn (s): " + " ".join(f"{x:.3f}" for x in ttfts))
     return 0
 
 

