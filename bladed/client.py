@@ -398,6 +398,8 @@ class Session:
         self.prefix_tokens: int = int(prefix.get("tokens", 0))
         #: the retained prefix they came from (None on a miss)
         self.prefix_entry: str | None = prefix.get("entry")
+        #: tokens per hashed block on the daemon (``prefix.block_tokens``; None: no prefix key given)
+        self.prefix_block_tokens: int | None = prefix.get("block_tokens")
         #: where they came from: "local" (a retained prefix of this daemon), "shared" (the shared tier), None
         self.prefix_source: str | None = prefix.get("source")
         self._mapping = mapping

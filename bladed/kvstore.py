@@ -270,7 +270,7 @@ class BladedKV:
         from bladed.protocol import QuotaExceededError
 
         self.flush()
-        block = int(self.session.client.prefixes()["block_tokens"])
+        block = self.session.prefix_block_tokens or int(self.session.client.prefixes()["block_tokens"])
         if len(tokens) < block:
             why = f"{len(tokens)} tokens, fewer than one block of {block} (prefix.block_tokens)"
             return {"entry": None, "tokens": 0, "new": False, "skipped": why}

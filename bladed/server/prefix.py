@@ -420,6 +420,13 @@ class PrefixCache:
                 if e.matches(scope, seed_hex, B) and e.rec.hashes[:len(chain)] == chain:
                     e.last_used = time.time()
                     return {"entry": e.id, "tokens": e.tokens, "new": False}
+        # the entries of this scope whose chain the new one extends are superseded: they go first, so their room
+        # is the new entry's (a chat's turn n replaces turn n - 1)
+        with self._lock:
+            older = [e for e in self.entries.values()
+                     if e.matches(scope, seed_hex, B) and e.users == 0 and chain[:len(e.rec.hashes)] == e.rec.hashes]
+        for e in older:
+            self.evict(e, "superseded")
         geometry = Geometry(**{f: getattr(sess.geometry, f) for f in GEOMETRY_FIELDS if f != "max_tokens"},
                             max_tokens=len(chain) * B)
         entry = self._make(scope, model, dtype, seed_hex, geometry, chain, sess.id)
@@ -429,13 +436,8 @@ class PrefixCache:
         except BaseException:
             self._drop(entry, "failed")
             raise
-        # what the entry holds supersedes the entries of this scope whose chain it extends
         with self._lock:
-            older = [e for e in self.entries.values()
-                     if e.matches(scope, seed_hex, B) and e.users == 0 and chain[:len(e.rec.hashes)] == e.rec.hashes]
             self.entries[entry.id] = entry
-        for e in older:
-            self.evict(e, "superseded")
         self.stats.add("prefix_retained")
         if self.shared is not None and blocks_out is not None:
             self.shared.publish([(block_key(scope, seed_hex, B, h), bytes(buf)) for h, buf in zip(chain, blocks_out,
