@@ -11,6 +11,7 @@ and bad keys are refused with the field named.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -113,6 +114,21 @@ def test_two_sessions_start_from_one_prefix_at_once() -> None:
             assert a.prefix_tokens == b.prefix_tokens == 32
             write_kv(a, 16, 16, "a-own")
             assert read_kv(b, 32) == expected("shared", 32)
+
+
+def test_sessions_opened_at_the_same_time_from_one_prefix_each_get_it_whole() -> None:
+    # all on the extent, 768-byte rows: every copy assembles edge LBAs; eight opens race for the entry
+    with short_tmpdir() as d, DaemonProcess(d, config(0, "8M")).start() as dp:
+        tokens = prompt(80)
+        with Client(dp.socket_path) as c:
+            retain_prompt(c, tokens, "raced")
+
+        def open_and_read(_: int) -> tuple[int, bool]:
+            with Client(dp.socket_path) as c, c.open_session(GEO, channels=1, prefix=key(tokens)) as s:
+                return s.prefix_tokens, read_kv(s, 80) == expected("raced", 80)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(open_and_read, range(8))) == [(80, True)] * 8
 
 
 def test_a_different_model_dtype_or_token_is_a_miss() -> None:

@@ -10,9 +10,6 @@ again for a while.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -20,35 +17,21 @@ import redis
 from daemon_util import DaemonProcess, short_tmpdir
 from test_prefix import GEO, KPU, config, expected, key, prompt, read_kv, retain_prompt
 
+import bladed_bench.redis_server as bench_redis
 from bladed.client import Client
 from bladed.server.shared_tier import HEADER
 
 
-class RedisServer:
-    """A redis-server of the test's own on a Unix socket (no TCP port), up once it says it is ready."""
+class RedisServer(bench_redis.RedisServer):
+    """The harness's redis-server on a Unix socket of the test, with a client of the test's own."""
 
     def __init__(self, directory: str) -> None:
-        self.socket = os.path.join(directory, "redis.sock")
-        self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", "0", "--unixsocket", self.socket,
-             "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", directory,
-             "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "ready to accept connections" in line.lower():
-                break
-        else:
-            raise AssertionError("redis-server exited before it was ready")
-        # keep reading its log, so that it never blocks on a full pipe
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
-        self.url = f"unix://{self.socket}"
+        super().__init__(directory, unix=True, maxmemory="64mb")
         self.client = redis.Redis(unix_socket_path=self.socket)
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.kill()
-        self.proc.wait()
+        super().stop()
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from bladed.kvstore import BladedKV, Geometry, KVBackend  # noqa: E402
 from bladed.runner.generation import GenerationResult, Policy, Runner  # noqa: E402
 from bladed.runner.weights import LoadedModel, load_model  # noqa: E402
 from bladed_bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
+from bladed_bench.redis_server import RedisServer  # noqa: E402
 from bladed_bench.workload import BenchDaemon  # noqa: E402
 
 USER_TURNS = [
@@ -188,6 +189,53 @@ def quota_run(lm: LoadedModel, base: str, args: argparse.Namespace, device: str)
             "daemon_stats": {k: v for k, v in stats.items() if k.startswith("prefix_")}}
 
 
+def shared_run(lm: LoadedModel, base: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The shared tier: two daemons (separate stores) on one Redis on loopback.  Daemon A serves the document
+    prompt and retains it (publishing its blocks); then daemon B serves the same prompt, once from the shared
+    tier and once cold (no key), in alternating order."""
+    import redis
+
+    server = RedisServer(base)
+    extra = {"prefix": {"shared_url": server.url}}
+    a = BenchDaemon(os.path.join(base, "shared-a"), store_bytes=args.store_gib << 30, extra=extra)
+    b = BenchDaemon(os.path.join(base, "shared-b"), store_bytes=args.store_gib << 30, extra=extra)
+    doc = text_of(lm.tokenizer, args.doc_tokens, 3, "doc")
+    rows: dict[str, list[dict[str, Any]]] = {"shared": [], "cold": []}
+    try:
+        with Client(a.socket_path, timeout=600.0) as ca, Client(b.socket_path, timeout=600.0) as cb, \
+                redis.Redis.from_url(server.url) as r:
+            ba, bb = Bench(lm, ca, 2, device), Bench(lm, cb, 2, device)
+            for rep_i in range(args.repeats):
+                r.flushall()
+                ca.evict_prefixes()
+                cb.evict_prefixes()
+                ids = ba.ids([{"role": "user", "content": f"{doc}\n\nQuestion: {QUESTIONS[rep_i % len(QUESTIONS)]}"}])
+                published = ca.stats()["prefix_shared_published"]
+                ba.request(ids, True, gen_len=2)
+                deadline = time.monotonic() + 120
+                while ca.stats()["prefix_shared_published"] == published:   # the publish runs in the background
+                    if time.monotonic() > deadline:
+                        raise SystemExit("daemon A did not publish its blocks within 120 s")
+                    time.sleep(0.05)
+                for mode in (("shared", "cold") if rep_i % 2 == 0 else ("cold", "shared")):
+                    res = bb.request(ids, mode == "shared", gen_len=2)
+                    rows[mode].append(row(res))
+                    cb.evict_prefixes()      # what B retained must not serve its next request
+                print(f"shared repeat {rep_i + 1}/{args.repeats}: TTFT from the shared tier "
+                      f"{rows['shared'][-1]['ttft_s']:.2f} s ({rows['shared'][-1]['prefix_tokens']} tokens), cold "
+                      f"{rows['cold'][-1]['ttft_s']:.2f} s", file=sys.stderr, flush=True)
+            stats_b = cb.stats()
+    finally:
+        a.stop()
+        b.stop()
+        server.stop()
+    shared, cold = median([x["ttft_s"] for x in rows["shared"]]), median([x["ttft_s"] for x in rows["cold"]])
+    return {"redis": "loopback TCP", "rows": rows, "median_ttft_s_shared": shared, "median_ttft_s_cold": cold,
+            "ratio_shared_over_cold": shared / cold,
+            "same_tokens": all(x["tokens"] == y["tokens"] for x, y in zip(rows["shared"], rows["cold"], strict=True)),
+            "daemon_b_stats": {k: v for k, v in stats_b.items() if k.startswith("prefix_")}}
+
+
 def plot(result: dict[str, Any], path: str) -> str | None:
     try:
         import matplotlib
@@ -224,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quota-entries", type=float, default=2.5, help="prefix.device_bytes in documents' KV")
     p.add_argument("--quota-requests", type=int, default=16)
     p.add_argument("--store-gib", type=int, default=4)
-    p.add_argument("--skip", nargs="*", default=[], choices=("chat", "document", "quota"))
+    p.add_argument("--skip", nargs="*", default=[], choices=("chat", "document", "quota", "shared"))
     p.add_argument("--dir", default=None, help="where the daemon's store goes (default: a temp dir in /var/tmp)")
     p.add_argument("--out", default=None, help="JSON output (default: docs/bench/prefix-<UTC time>.json)")
     args = p.parse_args(argv)
@@ -256,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         daemon.stop()
     if "quota" not in args.skip:
         result["quota"] = quota_run(lm, base, args, device)
+    if "shared" not in args.skip:
+        result["shared"] = shared_run(lm, base, args, device)
     result.update(machine=machine_info(), filesystem=filesystem_of(base), git=git_info(ROOT))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
@@ -276,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quota: device_bytes {q['device_bytes']} for {q['docs']} docs of {q['doc_tokens']} tokens: "
               f"{q['hits']} document hits {q['misses']} misses (hit ratio {q['hit_ratio']:.2f}), median TTFT hit "
               f"{q['median_ttft_s_hit']:.3f} s miss {q['median_ttft_s_miss']:.3f} s; daemon {q['daemon_stats']}")
+    if "shared" in result:
+        sh = result["shared"]
+        print(f"shared tier: daemon B's first request, median TTFT from the tier {sh['median_ttft_s_shared']:.3f} s, "
+              f"cold {sh['median_ttft_s_cold']:.3f} s, ratio {sh['ratio_shared_over_cold']:.3f}; same tokens: "
+              f"{sh['same_tokens']}; daemon B {sh['daemon_b_stats']}")
     if "chat" in result:
         png = plot(result, out.removesuffix(".json") + ".png")
         if png:

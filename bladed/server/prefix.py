@@ -149,6 +149,8 @@ class Entry:
         self.hits = 0
         self.users = 0            # copies out of it in progress: not evictable meanwhile
         self.bad = False          # found corrupt while in use: out of the index, dropped by its last user
+        #: one copy out of the entry at a time: its extent store assembles edge LBAs in one scratch buffer
+        self.copy_lock = threading.Lock()
 
     def matches(self, scope: str, seed_hex: str, block_tokens: int) -> bool:
         """Same scope, same key seed (model, dtype, KV shape), same block size."""
@@ -365,22 +367,24 @@ class PrefixCache:
         tb = sess.geometry.token_bytes
         ch = self._copy_channel(sess.geometry)
         try:
-            for kpu in entry.plan.kpus:
-                tid = kpu.tensor_id
-                a = Access(IOOp.READ, kpu, 0, n, 0, n * tb, 0)
-                entry.store_of(kpu).run(ch, [a])
-                if a.result.error is not None:
-                    log.warning("retained prefix %s: %s; evicting it", entry.id, a.result.message)
-                    self._condemn(entry, "io_error")
-                    return False
-                if not np.array_equal(_block_crcs(ch.slot, blocks, B * tb), entry.crcs[tid, :blocks]):
-                    log.error("retained prefix %s: %s does not match its checksums; evicting it", entry.id, kpu.name)
-                    self.stats.add("integrity_errors")
-                    self._condemn(entry, "integrity_error")
-                    return False
-                (r,) = sess.transfer(ch, [IORange(IOOp.WRITE, tid, 0, n, 0)])
-                if r.error is not None:
-                    raise RequestError(r.error, f"copying the retained prefix into the session: {r.message}")
+            with entry.copy_lock:
+                for kpu in entry.plan.kpus:
+                    tid = kpu.tensor_id
+                    a = Access(IOOp.READ, kpu, 0, n, 0, n * tb, 0)
+                    entry.store_of(kpu).run(ch, [a])
+                    if a.result.error is not None:
+                        log.warning("retained prefix %s: %s; evicting it", entry.id, a.result.message)
+                        self._condemn(entry, "io_error")
+                        return False
+                    if not np.array_equal(_block_crcs(ch.slot, blocks, B * tb), entry.crcs[tid, :blocks]):
+                        log.error("retained prefix %s: %s does not match its checksums; evicting it", entry.id,
+                                  kpu.name)
+                        self.stats.add("integrity_errors")
+                        self._condemn(entry, "integrity_error")
+                        return False
+                    (r,) = sess.transfer(ch, [IORange(IOOp.WRITE, tid, 0, n, 0)])
+                    if r.error is not None:
+                        raise RequestError(r.error, f"copying the retained prefix into the session: {r.message}")
         finally:
             ch.close()
         return True
