@@ -92,6 +92,9 @@ class BudgetConfig:
     live_replan: bool = True
     #: dualblade sessions reserve extent blocks for every KPU at open, so demotions always fit
     reserve_extent: bool = False
+    #: kernel memory charged to the cgroup per byte of page cache (buffer heads, page-cache index): B_pc leaves
+    #: room for it; measured 0.028 on ext4 (docs/architecture.md, "The page-cache budget"); 0 = the paper's Eq. 2
+    kernel_overhead: float = 0.03
 
 
 @dataclass
@@ -438,6 +441,9 @@ def validate(cfg: Config) -> list[str]:
     b = cfg.budget
     if b.interval_s <= 0:
         p.append(f"budget.interval_s: must be positive, got {b.interval_s}")
+    if not 0.0 <= b.kernel_overhead < 1.0:
+        p.append(f"budget.kernel_overhead: must be within [0, 1) (0.03 on ext4, 0 for the paper's Eq. 2), "
+                 f"got {b.kernel_overhead}")
     if b.override is not None and b.cap is not None and b.override > b.cap:
         p.append(f"budget.override ({b.override}) is larger than budget.cap ({b.cap})")
     io = cfg.io

@@ -79,7 +79,13 @@ def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
     assert b.usable_bytes == min(b.host_available_bytes, 256 * MiB - anon - shmem)      # Eq. 1
     assert b.binding == "cgroup"                                                        # 24 GiB host, 256 MiB limit
     assert b.pinned_bytes == 2 * 8 * MiB                                               # N_threads * M_pin; Eq. 2 below
-    assert b.pagecache_budget_bytes == max(0, b.usable_bytes - b.pinned_bytes) == b.pagecache_budget_computed_bytes
+    # staging that is already shmem (the worker's 32 MiB here) is in M_anon+shmem: Eq. 2 does not subtract it again
+    assert b.pinned_uncharged_bytes == max(0, 2 * 8 * MiB - shmem) == 0
+    assert b.pagecache_budget_bytes == b.usable_bytes == b.pagecache_budget_computed_bytes
+    # the page cache's own kernel memory: B_pc * (1 + k) fits where B_pc did
+    k = Budgeter(copy_threads=2, pinned_per_thread_bytes=64 * MiB, pid=w.pid, kernel_overhead=0.03).sample()
+    assert k.pinned_uncharged_bytes == 128 * MiB - shmem
+    assert k.pagecache_budget_bytes == int((k.usable_bytes - (128 * MiB - shmem)) / 1.03)
     # page cache (file, shmem excluded) is reported, not subtracted
     s = read_stat(cg.path)
     assert b.file_bytes == (s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"])
@@ -88,16 +94,19 @@ def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
 @pytest.mark.root
 def test_budget_follows_a_changed_limit(loaded_cgroup: Any) -> None:
     cg, _ = loaded_cgroup
-    budgeter = Budgeter(copy_threads=2, pinned_per_thread_bytes=8 * MiB, cgroup_path=cg.path)
+    # 48 MiB of staging, of which the worker's 32 MiB of shmem is charged already: 16 MiB more is to come
+    budgeter = Budgeter(copy_threads=2, pinned_per_thread_bytes=24 * MiB, cgroup_path=cg.path)
     first = budgeter.sample()
     cg.set_limit(192 * MiB)
     second = budgeter.sample()
     anon, shmem = kernel_anon_shmem(cg)
     assert second.memory_limit_bytes == 192 * MiB
-    assert second.pagecache_budget_bytes == 192 * MiB - anon - shmem - 16 * MiB
+    assert second.pinned_uncharged_bytes == 48 * MiB - shmem
+    assert second.pagecache_budget_bytes == 192 * MiB - anon - shmem - (48 * MiB - shmem)
     assert first.pagecache_budget_bytes - second.pagecache_budget_bytes == \
-        64 * MiB + (second.anon_shmem_bytes - first.anon_shmem_bytes)
-    cg.set_limit(80 * MiB + 16 * MiB)          # at or below anon+shmem+pins: nothing left for the cache
+        64 * MiB + (second.anon_shmem_bytes - first.anon_shmem_bytes) \
+        + (second.pinned_uncharged_bytes - first.pinned_uncharged_bytes)
+    cg.set_limit(80 * MiB + 16 * MiB)          # at or below anon+shmem+staging: nothing left for the cache
     assert budgeter.sample().pagecache_budget_bytes == 0
 
 
@@ -259,7 +268,7 @@ def test_v2_parser_on_a_fake_tree(tmp_path: pathlib.Path) -> None:
     assert b.anon_shmem_bytes == 120 * MiB                        # anon + shmem; file (which holds shmem) is not added
     assert b.file_bytes == 280 * MiB and b.kernel_bytes == 4096000
     assert b.usable_bytes == 1536 * MiB - 120 * MiB and b.binding == "cgroup"
-    assert b.pagecache_budget_bytes == b.usable_bytes - 128 * MiB
+    assert b.pagecache_budget_bytes == b.usable_bytes - (128 * MiB - b.shmem_bytes)   # the uncharged staging
 
 
 def test_v2_unlimited_uses_host_memory(tmp_path: pathlib.Path) -> None:
@@ -334,4 +343,4 @@ def test_formula_on_fake_v2(limit: int, anon: int, shmem: int, avail: int, n: in
                      mem_total=lambda: 128 * GiB).sample()
     m_star = min(avail, limit - anon - shmem)
     assert (b.memory_limit_bytes, b.anon_shmem_bytes, b.usable_bytes) == (limit, anon + shmem, m_star)
-    assert b.pagecache_budget_bytes == max(0, m_star - n * pin) >= 0
+    assert b.pagecache_budget_bytes == max(0, m_star - max(0, n * pin - shmem)) >= 0

@@ -102,30 +102,33 @@ def test_hit_ratio_is_measured_on_the_exact_range_before_the_copy(store: PageCac
 
 
 def test_cachestat_agrees_with_mincore(store: PageCacheStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    f = store.open("k2", 4 * MiB)
-    f.write_from(_pattern(4 * MiB, 4), 0, 4 * MiB)
-    f.drop(MiB, MiB)
-    cs = cachestat(f.fd, 0, 4 * MiB)
+    f = store.open("k2", 8 * MiB)
+    f.write_from(_pattern(8 * MiB, 4), 0, 8 * MiB)
+    # buffered writes may make folios of up to 2 MiB (x86-64's largest page-cache folio): drop a whole,
+    # aligned 2 MiB so that exactly that range goes
+    f.drop(2 * MiB, 2 * MiB)
+    cs = cachestat(f.fd, 0, 8 * MiB)
     assert cs is not None, "kernel 6.5+ expected on the build machine"
-    assert cs.cache == 768                           # 3 of 4 MiB in 4 KiB pages
-    assert f._mincore(0, 4 * MiB) == cs.cache       # the fallback counts the same pages
+    assert cs.cache == 1536                          # 6 of 8 MiB in 4 KiB pages
+    assert f._mincore(0, 8 * MiB) == cs.cache       # the fallback counts the same pages
     # on a kernel without cachestat(2) the reads are measured with mincore(2)
     import bladed.io.pagecache as pc
 
     monkeypatch.setattr(pc, "_cachestat_ok", False)
-    assert cachestat(f.fd, 0, 4 * MiB) is None
-    assert f.residency(0, 4 * MiB) == 0.75
-    buf = bytearray(2 * MiB)
-    assert f.read_into(buf, MiB, 2 * MiB) == 0.5
+    assert cachestat(f.fd, 0, 8 * MiB) is None
+    assert f.residency(0, 8 * MiB) == 0.75
+    buf = bytearray(4 * MiB)
+    assert f.read_into(buf, MiB, 4 * MiB) == 0.5
 
 
 def test_drop_evicts_dirty_and_mapped_pages(store: PageCacheStore) -> None:
-    # pages written through our own mapping are dirty and mapped: plain fadvise would keep them
+    # pages just written are dirty, and once read they are mapped too: plain fadvise would keep them
     f = store.open("dirty", 16 * MiB)
     data = _pattern(16 * MiB, 5)
     f.write_from(data, 0, 16 * MiB)
+    assert f.read_into(bytearray(16 * MiB), 0, 16 * MiB) == 1.0
     cs = cachestat(f.fd, 0, 16 * MiB)
-    assert cs is not None and cs.cache == 4096
+    assert cs is not None and cs.cache == 4096 and cs.dirty == 4096
     f.drop()
     cs = cachestat(f.fd, 0, 16 * MiB)
     assert cs is not None and cs.cache == 0 and cs.dirty == 0

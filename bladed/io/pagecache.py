@@ -1,7 +1,9 @@
 """The page-cache path (Group 1): one mmap'd file per KPU.
 
-Data moves between the mapping and a staging buffer with one ``memmove`` per
-call (ctypes, which releases the GIL).  Before each read the exact range is
+A read is one ``memmove`` out of the file's shared mapping (ctypes, which
+releases the GIL); a write is a ``pwrite(2)`` into the page cache, so that
+pages are never dirtied through the mapping (why: :meth:`PageCacheFile.write_from`).
+Before each read the exact range is
 checked with ``cachestat(2)`` (kernel 6.5+; ``mincore(2)`` on the mapping
 otherwise), which gives the paper's hit ratio: the fraction of read bytes
 served from the page cache.
@@ -132,6 +134,8 @@ class PageCacheFile:
                 raise BladedIOError(errno.EBADF, f"{self.path}: file is closed")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
+                # reserved (a full filesystem is an error here, not in the middle of a request), and measured
+                # faster than a sparse file for the prefill's writes (1.36 vs 1.82 s, docs/benchmarks.md)
                 ret = lib.bd_fallocate(fd, 0, 0, self.nbytes)
                 if ret == -errno.EOPNOTSUPP:
                     os.ftruncate(fd, self.nbytes)
@@ -239,7 +243,16 @@ class PageCacheFile:
         addr, keep = _address(src, nbytes, src_offset, writable=False)
         self._enter()
         try:
-            ctypes.memmove(self._base + file_offset, addr, nbytes)
+            # pwrite, not a store through the mapping: in a cgroup-v1 memcg at its limit, files written through
+            # mappings kept open went to disk whole while being written (1776 of 1920 MiB), with pwrite
+            # 272-528 MiB (docs/benchmarks.md, "Prefill below the full-fit limit")
+            view = memoryview(ffi.buffer(ffi.cast("char *", addr), nbytes))
+            done = 0
+            while done < nbytes:
+                n = os.pwrite(self.fd, view[done:], file_offset + done)
+                if n <= 0:
+                    raise BladedIOError(errno.EIO, f"{self.path}: write returned {n} at {file_offset + done}")
+                done += n
         finally:
             self._leave(written=nbytes)
         del keep

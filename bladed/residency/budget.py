@@ -3,6 +3,16 @@
     M*   = min(M_avail, M_max - M_anon+shmem)                       (Eq. 1)
     B_pc = max(0, M* - N_threads * M_pin)                             (Eq. 2)
 
+as bladed computes Eq. 2 (docs/architecture.md, "The page-cache budget"):
+
+    M_pin,uncharged = max(0, N_threads * M_pin + M_pin,others - M_shmem)
+    B_pc = max(0, M* - M_pin,uncharged) / (1 + k_kernel)
+
+The staging is shmem once the daemon has touched it, so it is counted once;
+and every byte of page cache brings ``k_kernel`` bytes of kernel memory
+charged to the same cgroup (buffer heads, the page-cache index: 0.028 on
+ext4), without which a full budget overfills the cgroup.
+
 The memory cgroup that is charged, ``M_max`` and ``M_anon+shmem`` come from
 :mod:`bladed.residency.cgroups`; ``M_avail`` is the host's MemAvailable (psutil),
 which ignores cgroups.
@@ -72,6 +82,9 @@ class BudgetBreakdown:
     memory_limit_source: str = ""  # the file that gave M_max, or "host MemTotal"
     binding: str = ""            # "host_available" or "cgroup": which side of the min() of Eq. 1 won
     reason: str = "manual"       # what triggered the sample: manual | periodic | pressure
+    pinned_elsewhere_bytes: int = 0  # M_pin,others: staging of the daemon's other sessions
+    pinned_uncharged_bytes: int = 0  # M_pin,uncharged: the staging not yet charged as shmem (what Eq. 2 subtracts)
+    kernel_overhead: float = 0.0     # k_kernel: kernel memory charged per byte of page cache
 
     @property
     def pinned_bytes(self) -> int:
@@ -90,7 +103,7 @@ class BudgetBreakdown:
         elif self.cap_bytes is not None and self.pagecache_budget_bytes < self.pagecache_budget_computed_bytes:
             extra = f" (capped at {self.cap_bytes / mib:.0f} MiB)"
         return (f"B_pc={self.pagecache_budget_bytes / mib:.0f} MiB{extra} = max(0, M*={self.usable_bytes / mib:.0f} - "
-                f"{self.copy_threads}x{self.pinned_per_thread_bytes / mib:.0f}) ; "
+                f"uncharged staging {self.pinned_uncharged_bytes / mib:.0f}) / {1 + self.kernel_overhead:g} ; "
                 f"M* = min(M_avail={self.host_available_bytes / mib:.0f}, M_max={self.memory_limit_bytes / mib:.0f} - "
                 f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f}) MiB [{self.cgroup_version} {self.cgroup or 'host'}]")
 
@@ -113,16 +126,22 @@ class Budgeter:
     ``pid`` (default: this process) is located at every sample, so a process
     moved between cgroups is followed.  ``override_bytes`` replaces the computed
     budget; ``cap_bytes`` bounds it.  Both leave the other terms reported.
+    ``pinned_elsewhere_bytes`` is the staging of the daemon's other sessions and
+    ``kernel_overhead`` the kernel memory charged per byte of page cache (module
+    docstring).
     """
 
     def __init__(self, copy_threads: int, pinned_per_thread_bytes: int, override_bytes: int | None = None,
                  cap_bytes: int | None = None, cgroup_path: str | None = None, pid: int | None = None, *,
                  proc_root: str = "/proc", mem_available: Callable[[], int] | None = None,
                  mem_total: Callable[[], int] | None = None, hysteresis_bytes: int = 32 << 20,
-                 pressure_level: str = "medium") -> None:
-        if copy_threads < 0 or pinned_per_thread_bytes < 0:
-            raise ValueError(f"copy_threads and pinned_per_thread_bytes must be >= 0, got {copy_threads} and "
-                             f"{pinned_per_thread_bytes}")
+                 pressure_level: str = "medium", pinned_elsewhere_bytes: int = 0,
+                 kernel_overhead: float = 0.0) -> None:
+        if copy_threads < 0 or pinned_per_thread_bytes < 0 or pinned_elsewhere_bytes < 0:
+            raise ValueError(f"copy_threads, pinned_per_thread_bytes and pinned_elsewhere_bytes must be >= 0, got "
+                             f"{copy_threads}, {pinned_per_thread_bytes} and {pinned_elsewhere_bytes}")
+        if not 0.0 <= kernel_overhead < 1.0:
+            raise ValueError(f"kernel_overhead must be in [0, 1), got {kernel_overhead}")
         for name, v in (("override_bytes", override_bytes), ("cap_bytes", cap_bytes)):
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -130,6 +149,8 @@ class Budgeter:
             raise ValueError(f"pressure_level must be low, medium or critical, got {pressure_level!r}")
         self.copy_threads = copy_threads                        # N_threads (Eq. 2)
         self.pinned_per_thread_bytes = pinned_per_thread_bytes  # M_pin (Eq. 2)
+        self.pinned_elsewhere_bytes = pinned_elsewhere_bytes
+        self.kernel_overhead = kernel_overhead
         self.override_bytes = override_bytes
         self.cap_bytes = cap_bytes
         self.cgroup_path = cgroup_path
@@ -164,7 +185,11 @@ class Budgeter:
         m_anon_shmem = reading.anon + reading.shmem
         cg_side = m_max - m_anon_shmem
         m_star = min(m_avail, cg_side)                                     # Eq. 1
-        computed = max(0, m_star - self.copy_threads * self.pinned_per_thread_bytes)  # Eq. 2
+        # Eq. 2: the staging that is already shmem is in M_anon+shmem; the page cache's own kernel memory
+        # is charged with it
+        pinned_all = self.copy_threads * self.pinned_per_thread_bytes + self.pinned_elsewhere_bytes
+        uncharged = max(0, pinned_all - reading.shmem)
+        computed = int(max(0, m_star - uncharged) / (1.0 + self.kernel_overhead))
         b_pc = computed
         if self.override_bytes is not None:
             b_pc = self.override_bytes
@@ -179,6 +204,8 @@ class Budgeter:
             file_bytes=reading.file, kernel_bytes=reading.kernel, host_total_bytes=mem_total, limited=limited,
             memory_limit_source=reading.limit_source if limited else "host MemTotal",
             binding="host_available" if m_avail <= cg_side else "cgroup", reason=reason,
+            pinned_elsewhere_bytes=self.pinned_elsewhere_bytes, pinned_uncharged_bytes=uncharged,
+            kernel_overhead=self.kernel_overhead,
         )
         with self._lock:
             self._last = b

@@ -276,7 +276,7 @@ class Daemon:
 
     def _sample_budget(self) -> dict[str, Any]:
         """Eq. 1-2 for the daemon as a whole: N_threads * M_pin is every open session's staging."""
-        pinned = sum(s.staging_bytes for s in self.manager.live_sessions())
+        pinned = self.manager.staging_bytes()
         try:
             self._last_budget = self.manager.budgeter(1 if pinned else 0, pinned).sample("periodic").to_dict()
         except (OSError, ValueError) as e:

@@ -316,15 +316,22 @@ class SessionManager:
     def staging_align(self) -> int:
         return max(PAGE_SIZE, self.device.lba_size)
 
-    def budgeter(self, copy_threads: int, pinned_per_thread_bytes: int) -> Budgeter:
+    def budgeter(self, copy_threads: int, pinned_per_thread_bytes: int, pinned_elsewhere_bytes: int = 0) -> Budgeter:
+        """Eq. 1-2 for ``copy_threads`` slots of ``pinned_per_thread_bytes``, besides ``pinned_elsewhere_bytes`` of
+        other sessions' staging."""
         b = self.cfg.budget
         return Budgeter(copy_threads, pinned_per_thread_bytes, override_bytes=b.override, cap_bytes=b.cap,
-                        cgroup_path=b.cgroup or None)
+                        cgroup_path=b.cgroup or None, pinned_elsewhere_bytes=pinned_elsewhere_bytes,
+                        kernel_overhead=b.kernel_overhead)
+
+    def staging_bytes(self) -> int:
+        """The staging of every open session (shmem of the daemon's once it is touched)."""
+        return sum(s.staging_bytes for s in self.live_sessions())
 
     def _pagecache_room(self) -> int:
         """Page-cache bytes neither live sessions nor retained prefixes hold, of the last sampled ``B_pc``."""
         try:
-            self._last_budget = self.budgeter(1, 0).sample().pagecache_budget_bytes
+            self._last_budget = self.budgeter(0, 0, self.staging_bytes()).sample().pagecache_budget_bytes
         except (OSError, ValueError) as e:
             log.warning("budget sampling failed (%s); retaining on the device only", e)
             return 0
@@ -385,7 +392,7 @@ class SessionManager:
 
             # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold
             try:
-                breakdown = self.budgeter(channels, stride).sample()
+                breakdown = self.budgeter(channels, stride, self.staging_bytes()).sample()
                 b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
             except (OSError, ValueError) as e:
                 log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
