@@ -68,6 +68,15 @@ def retain_prompt(c: Client, tokens: list[int], seed: str) -> dict[str, Any]:
     return s.retain(tokens, close=True)
 
 
+def assert_session_reads_zeroes(c: Client, ntokens: int) -> None:
+    """A new session of ``ntokens`` tokens (over what an evicted entry held) reads zeroes in every KPU."""
+    with c.open_session(GEO | {"max_tokens": ntokens}, channels=1) as s:
+        for layer in range(GEO["layers"]):
+            for kind in "kv":
+                s.read(layer, kind, 0, 0, ntokens)
+                assert bytes(s.slot(0)[:ntokens * TB]) == bytes(ntokens * TB)
+
+
 def evictions(c: Client) -> dict[str, int]:
     """The eviction reasons counted so far (the others are 0)."""
     return {k: v for k, v in c.stats()["prefix_evictions_by_reason"].items() if v}
@@ -302,12 +311,7 @@ def test_evicted_prefix_blocks_read_back_as_zeroes() -> None:
         retain_prompt(c, prompt(64), "secret")      # 96 of the region's 256 blocks, beside the session's 144
         assert len(c.evict_prefixes()) == 1
         # one session over the whole region: what the entry held must read as zeroes
-        big = GEO | {"max_tokens": 160}
-        with c.open_session(big, channels=1) as s:
-            for layer in range(GEO["layers"]):
-                for kind in "kv":
-                    s.read(layer, kind, 0, 0, 160)
-                    assert bytes(s.slot(0)[:160 * TB]) == bytes(160 * TB)
+        assert_session_reads_zeroes(c, 160)
 
 
 def test_killed_daemon_while_retaining_leaves_nothing_leaked() -> None:

@@ -195,8 +195,7 @@ class LiveReplanner:
     # -- the re-sampling thread -------------------------------------------------------------
     def _pinned(self) -> tuple[int, int]:
         """N_threads * M_pin for the daemon as a whole: every open session's staging."""
-        with self.manager._lock:
-            pinned = sum(s.staging_bytes for s in self.manager.sessions.values())
+        pinned = self.manager.staging_bytes()
         return (1 if pinned else 0), pinned
 
     def start(self) -> None:
