@@ -79,13 +79,18 @@ def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
     assert b.usable_bytes == min(b.host_available_bytes, 256 * MiB - anon - shmem)      # Eq. 1
     assert b.binding == "cgroup"                                                        # 24 GiB host, 256 MiB limit
     assert b.pinned_bytes == 2 * 8 * MiB                                               # N_threads * M_pin; Eq. 2 below
-    # staging that is already shmem (the worker's 32 MiB here) is in M_anon+shmem: Eq. 2 does not subtract it again
-    assert b.pinned_uncharged_bytes == max(0, 2 * 8 * MiB - shmem) == 0
-    assert b.pagecache_budget_bytes == b.usable_bytes == b.pagecache_budget_computed_bytes
+    # the new session's staging is not touched yet: the worker's 32 MiB of shmem is not it
+    assert b.pinned_uncharged_bytes == 2 * 8 * MiB
+    assert b.pagecache_budget_bytes == b.usable_bytes - 2 * 8 * MiB == b.pagecache_budget_computed_bytes
+    # the open sessions' staging that is shmem already is in M_anon+shmem: Eq. 2 does not subtract it again
+    o = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, pid=w.pid, pinned_elsewhere_bytes=16 * MiB).sample()
+    assert o.pinned_uncharged_bytes == max(0, 16 * MiB - shmem) == 0 and o.pinned_bytes == 16 * MiB
+    assert o.pagecache_budget_bytes == o.usable_bytes
     # the page cache's own kernel memory: B_pc * (1 + k) fits where B_pc did
-    k = Budgeter(copy_threads=2, pinned_per_thread_bytes=64 * MiB, pid=w.pid, kernel_overhead=0.03).sample()
-    assert k.pinned_uncharged_bytes == 128 * MiB - shmem
-    assert k.pagecache_budget_bytes == int((k.usable_bytes - (128 * MiB - shmem)) / 1.03)
+    k = Budgeter(copy_threads=2, pinned_per_thread_bytes=8 * MiB, pid=w.pid, kernel_overhead=0.03,
+                 pinned_elsewhere_bytes=128 * MiB).sample()
+    assert k.pinned_uncharged_bytes == 2 * 8 * MiB + 128 * MiB - shmem
+    assert k.pagecache_budget_bytes == int((k.usable_bytes - k.pinned_uncharged_bytes) / 1.03)
     # page cache (file, shmem excluded) is reported, not subtracted
     s = read_stat(cg.path)
     assert b.file_bytes == (s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"])
@@ -94,8 +99,10 @@ def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
 @pytest.mark.root
 def test_budget_follows_a_changed_limit(loaded_cgroup: Any) -> None:
     cg, _ = loaded_cgroup
-    # 48 MiB of staging, of which the worker's 32 MiB of shmem is charged already: 16 MiB more is to come
-    budgeter = Budgeter(copy_threads=2, pinned_per_thread_bytes=24 * MiB, cgroup_path=cg.path)
+    # 48 MiB of open sessions' staging, of which the worker's 32 MiB of shmem is charged already: 16 MiB
+    # more is to come
+    budgeter = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, cgroup_path=cg.path,
+                        pinned_elsewhere_bytes=48 * MiB)
     first = budgeter.sample()
     cg.set_limit(192 * MiB)
     second = budgeter.sample()
@@ -268,7 +275,7 @@ def test_v2_parser_on_a_fake_tree(tmp_path: pathlib.Path) -> None:
     assert b.anon_shmem_bytes == 120 * MiB                        # anon + shmem; file (which holds shmem) is not added
     assert b.file_bytes == 280 * MiB and b.kernel_bytes == 4096000
     assert b.usable_bytes == 1536 * MiB - 120 * MiB and b.binding == "cgroup"
-    assert b.pagecache_budget_bytes == b.usable_bytes - (128 * MiB - b.shmem_bytes)   # the uncharged staging
+    assert b.pagecache_budget_bytes == b.usable_bytes - 128 * MiB        # the new session's staging, untouched
 
 
 def test_v2_unlimited_uses_host_memory(tmp_path: pathlib.Path) -> None:
@@ -333,14 +340,16 @@ def test_mountinfo_escapes_and_cgroup_lines() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(limit=st.integers(64 * MiB, 64 * GiB), anon=st.integers(0, 8 * GiB), shmem=st.integers(0, 2 * GiB),
-       avail=st.integers(0, 32 * GiB), n=st.integers(0, 4), pin=st.integers(0, 512 * MiB))
-def test_formula_on_fake_v2(limit: int, anon: int, shmem: int, avail: int, n: int, pin: int) -> None:
+       avail=st.integers(0, 32 * GiB), n=st.integers(0, 4), pin=st.integers(0, 512 * MiB),
+       others=st.integers(0, 1 * GiB))
+def test_formula_on_fake_v2(limit: int, anon: int, shmem: int, avail: int, n: int, pin: int, others: int) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         proc = _v2_tree(pathlib.Path(d), leaf_max=str(limit), anon=anon, shmem=shmem, file=shmem)
         b = Budgeter(n, pin, proc_root=str(proc), mem_available=lambda: avail,
-                     mem_total=lambda: 128 * GiB).sample()
+                     mem_total=lambda: 128 * GiB, pinned_elsewhere_bytes=others).sample()
     m_star = min(avail, limit - anon - shmem)
     assert (b.memory_limit_bytes, b.anon_shmem_bytes, b.usable_bytes) == (limit, anon + shmem, m_star)
-    assert b.pagecache_budget_bytes == max(0, m_star - max(0, n * pin - shmem)) >= 0
+    # the new session's staging always counts; the open sessions' only beyond the shmem charged
+    assert b.pagecache_budget_bytes == max(0, m_star - n * pin - max(0, others - shmem)) >= 0

@@ -208,10 +208,10 @@ def budget() -> None:
                                             f"shmem {size(s.get('shmem_bytes'))})"),
             ("usable (M*)", f"{size(s.get('usable_bytes'))}  = min(M_avail, M_max - M_anon+shmem)  "
                             f"[Eq. 1, {s.get('binding')} binds]"),
-            ("pinned (N_threads x M_pin)", f"{s.get('copy_threads')} x {size(s.get('pinned_per_thread_bytes'))}  "
-                                           "(staging of open sessions)"),
-            ("page-cache budget (B_pc)", f"{size(s.get('pagecache_budget_bytes'))}  = max(0, M* - N_threads x M_pin)  "
-                                         "[Eq. 2]"
+            ("staging (M_pin,others)", f"{size(s.get('pinned_elsewhere_bytes'))}  (of the open sessions; "
+                                       f"{size(s.get('pinned_uncharged_bytes'))} not yet charged as shmem)"),
+            ("page-cache budget (B_pc)", f"{size(s.get('pagecache_budget_bytes'))}  = max(0, M* - uncharged staging) "
+                                         f"/ (1 + {s.get('kernel_overhead')})  [Eq. 2]"
              + (f", override {size(d['override_bytes'])}" if d["override_bytes"] is not None else "")
              + (f", cap {size(d['cap_bytes'])}" if d["cap_bytes"] is not None else "")),
             ("held by sessions", size(d["held_bytes"])),

@@ -5,10 +5,13 @@
 
 as bladed computes Eq. 2 (docs/architecture.md, "The page-cache budget"):
 
-    M_pin,uncharged = max(0, N_threads * M_pin + M_pin,others - M_shmem)
+    M_pin,uncharged = N_threads * M_pin + max(0, M_pin,others - M_shmem)
     B_pc = max(0, M* - M_pin,uncharged) / (1 + k_kernel)
 
-The staging is shmem once the daemon has touched it, so it is counted once;
+The open sessions' staging (``M_pin,others``) is shmem once the daemon has
+touched it, so it is counted once; the staging of the session being planned
+(``N_threads * M_pin``) is not touched yet, and other shmem of the cgroup is
+not staging;
 and every byte of page cache brings ``k_kernel`` bytes of kernel memory
 charged to the same cgroup (buffer heads, the page-cache index: 0.028 on
 ext4), without which a full budget overfills the cgroup.
@@ -82,14 +85,14 @@ class BudgetBreakdown:
     memory_limit_source: str = ""  # the file that gave M_max, or "host MemTotal"
     binding: str = ""            # "host_available" or "cgroup": which side of the min() of Eq. 1 won
     reason: str = "manual"       # what triggered the sample: manual | periodic | pressure
-    pinned_elsewhere_bytes: int = 0  # M_pin,others: staging of the daemon's other sessions
+    pinned_elsewhere_bytes: int = 0  # M_pin,others: staging of the open sessions (shmem once touched)
     pinned_uncharged_bytes: int = 0  # M_pin,uncharged: the staging not yet charged as shmem (what Eq. 2 subtracts)
     kernel_overhead: float = 0.0     # k_kernel: kernel memory charged per byte of page cache
 
     @property
     def pinned_bytes(self) -> int:
-        """``N_threads * M_pin`` (Eq. 2): the staging memory the sample accounts for."""
-        return self.copy_threads * self.pinned_per_thread_bytes
+        """``N_threads * M_pin + M_pin,others``: all the staging memory the sample accounts for."""
+        return self.copy_threads * self.pinned_per_thread_bytes + self.pinned_elsewhere_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"pinned_bytes": self.pinned_bytes}
@@ -126,7 +129,9 @@ class Budgeter:
     ``pid`` (default: this process) is located at every sample, so a process
     moved between cgroups is followed.  ``override_bytes`` replaces the computed
     budget; ``cap_bytes`` bounds it.  Both leave the other terms reported.
-    ``pinned_elsewhere_bytes`` is the staging of the daemon's other sessions and
+    ``copy_threads * pinned_per_thread_bytes`` is the staging of the session
+    being planned (not yet touched), ``pinned_elsewhere_bytes`` the staging of
+    the open sessions (shmem once touched), and
     ``kernel_overhead`` the kernel memory charged per byte of page cache (module
     docstring).
     """
@@ -185,10 +190,11 @@ class Budgeter:
         m_anon_shmem = reading.anon + reading.shmem
         cg_side = m_max - m_anon_shmem
         m_star = min(m_avail, cg_side)                                     # Eq. 1
-        # Eq. 2: the staging that is already shmem is in M_anon+shmem; the page cache's own kernel memory
-        # is charged with it
-        pinned_all = self.copy_threads * self.pinned_per_thread_bytes + self.pinned_elsewhere_bytes
-        uncharged = max(0, pinned_all - reading.shmem)
+        # Eq. 2: the open sessions' staging that is already shmem is in M_anon+shmem (at most all of the
+        # cgroup's shmem); the new session's is not touched yet. The page cache's own kernel memory is
+        # charged with it
+        uncharged = (self.copy_threads * self.pinned_per_thread_bytes
+                     + max(0, self.pinned_elsewhere_bytes - reading.shmem))
         computed = int(max(0, m_star - uncharged) / (1.0 + self.kernel_overhead))
         b_pc = computed
         if self.override_bytes is not None:

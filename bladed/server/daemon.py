@@ -278,7 +278,7 @@ class Daemon:
         """Eq. 1-2 for the daemon as a whole: N_threads * M_pin is every open session's staging."""
         pinned = self.manager.staging_bytes()
         try:
-            self._last_budget = self.manager.budgeter(1 if pinned else 0, pinned).sample("periodic").to_dict()
+            self._last_budget = self.manager.budgeter(0, 0, pinned).sample("periodic").to_dict()
         except (OSError, ValueError) as e:
             log.warning("budget sampling failed: %s", e)
         return self._last_budget

@@ -217,7 +217,7 @@ _BUDGET_GAUGES = (
      "M_anon+shmem (Eq. 1): anonymous and shared memory charged to the memory cgroup"),
     ("bladed_memory_file_bytes", "file_bytes", "Page cache charged to the memory cgroup now (shmem excluded)"),
     ("bladed_memory_total_bytes", "host_total_bytes", "The host's MemTotal"),
-    ("bladed_staging_pinned_bytes", "pinned_bytes", "N_threads x M_pin (Eq. 2): staging memory of the open sessions"),
+    ("bladed_staging_pinned_bytes", "pinned_bytes", "M_pin,others (Eq. 2): staging memory of the open sessions"),
 )
 #: live re-planning counters: (metric, key of LiveReplanner.to_dict(), help)
 _REPLAN_COUNTERS = (

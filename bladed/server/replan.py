@@ -193,19 +193,17 @@ class LiveReplanner:
         self._past_samples: dict[str, int] = {}
 
     # -- the re-sampling thread -------------------------------------------------------------
-    def _pinned(self) -> tuple[int, int]:
-        """N_threads * M_pin for the daemon as a whole: every open session's staging."""
-        pinned = self.manager.staging_bytes()
-        return (1 if pinned else 0), pinned
+    def _pinned(self) -> int:
+        """M_pin,others for the daemon as a whole: every open session's staging (no session is being planned)."""
+        return self.manager.staging_bytes()
 
     def start(self) -> None:
         """Start re-sampling (no-op unless ``budget.live_replan``); applies the first sample."""
         cfg = self.manager.cfg.budget
         if not cfg.live_replan:
             return
-        n, pin = self._pinned()
         try:
-            b = self.manager.budgeter(n, pin)
+            b = self.manager.budgeter(0, 0, self._pinned())
             b.start(cfg.interval_s, self._on_change)
         except (OSError, ValueError) as e:
             log.warning("live re-planning disabled: cannot start budget sampling: %s", e)
@@ -244,9 +242,9 @@ class LiveReplanner:
 
     def _on_change(self, b: BudgetBreakdown) -> None:
         budgeter = self._budgeter
-        n, pin = self._pinned()
-        if budgeter is not None and (budgeter.copy_threads, budgeter.pinned_per_thread_bytes) != (n, pin):
-            budgeter.copy_threads, budgeter.pinned_per_thread_bytes = n, pin
+        pinned = self._pinned()
+        if budgeter is not None and budgeter.pinned_elsewhere_bytes != pinned:
+            budgeter.pinned_elsewhere_bytes = pinned
             try:
                 b = budgeter.sample(b.reason)
             except OSError as e:
