@@ -723,6 +723,24 @@ int bd_cachestat(int fd, uint64_t off, uint64_t len, uint64_t *out5)
     return ret < 0 ? -errno : 0;
 }
 
+int64_t bd_pwrite_full(int fd, uint64_t addr, uint64_t len, uint64_t off)
+{
+    /* the page-cache path's write: one call per range, short writes resumed here, not in Python */
+    uint64_t done = 0;
+    while (done < len) {
+        ssize_t n = pwrite(fd, (const char *)(uintptr_t)addr + done, len - done, (off_t)(off + done));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (n == 0)
+            return -EIO;
+        done += (uint64_t)n;
+    }
+    return (int64_t)done;
+}
+
 int bd_sync_file_range(int fd, uint64_t off, uint64_t len, unsigned flags)
 {
     return sync_file_range(fd, (off64_t)off, (off64_t)len, flags) < 0 ? -errno : 0;

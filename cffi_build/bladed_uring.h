@@ -169,6 +169,7 @@ int bd_blkdiscard(int fd, uint64_t off, uint64_t len);
 int bd_fallocate(int fd, int mode, uint64_t off, uint64_t len);
 int bd_cachestat(int fd, uint64_t off, uint64_t len, uint64_t *out5);
 int bd_sync_file_range(int fd, uint64_t off, uint64_t len, unsigned flags);
+int64_t bd_pwrite_full(int fd, uint64_t addr, uint64_t len, uint64_t off);  /* bytes, or -errno */
 
 /* Staging memory: page aligned, 2 MiB aligned and huge-page backed where the
  * size allows.  *how: 2 = hugetlbfs, 1 = THP advised, 0 = plain pages. */

