@@ -275,10 +275,9 @@ class Daemon:
                 "prefixes": self.manager.prefixes.gauges()}
 
     def _sample_budget(self) -> dict[str, Any]:
-        """Eq. 1-2 for the daemon as a whole: N_threads * M_pin is every open session's staging."""
-        pinned = self.manager.staging_bytes()
+        """Eq. 1-2 for the daemon as a whole (``SessionManager.daemon_budgeter``)."""
         try:
-            self._last_budget = self.manager.budgeter(0, 0, pinned).sample("periodic").to_dict()
+            self._last_budget = self.manager.daemon_budgeter().sample("periodic").to_dict()
         except (OSError, ValueError) as e:
             log.warning("budget sampling failed: %s", e)
         return self._last_budget

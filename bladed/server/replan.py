@@ -193,17 +193,13 @@ class LiveReplanner:
         self._past_samples: dict[str, int] = {}
 
     # -- the re-sampling thread -------------------------------------------------------------
-    def _pinned(self) -> int:
-        """M_pin,others for the daemon as a whole: every open session's staging (no session is being planned)."""
-        return self.manager.staging_bytes()
-
     def start(self) -> None:
         """Start re-sampling (no-op unless ``budget.live_replan``); applies the first sample."""
         cfg = self.manager.cfg.budget
         if not cfg.live_replan:
             return
         try:
-            b = self.manager.budgeter(0, 0, self._pinned())
+            b = self.manager.daemon_budgeter()
             b.start(cfg.interval_s, self._on_change)
         except (OSError, ValueError) as e:
             log.warning("live re-planning disabled: cannot start budget sampling: %s", e)
@@ -242,7 +238,7 @@ class LiveReplanner:
 
     def _on_change(self, b: BudgetBreakdown) -> None:
         budgeter = self._budgeter
-        pinned = self._pinned()
+        pinned = self.manager.staging_bytes()     # M_pin,others: the sessions opened or closed since
         if budgeter is not None and budgeter.pinned_elsewhere_bytes != pinned:
             budgeter.pinned_elsewhere_bytes = pinned
             try:

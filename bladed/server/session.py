@@ -317,12 +317,17 @@ class SessionManager:
         return max(PAGE_SIZE, self.device.lba_size)
 
     def budgeter(self, copy_threads: int, pinned_per_thread_bytes: int, pinned_elsewhere_bytes: int = 0) -> Budgeter:
-        """Eq. 1-2 for ``copy_threads`` slots of ``pinned_per_thread_bytes``, besides ``pinned_elsewhere_bytes`` of
-        other sessions' staging."""
+        """Eq. 1-2 for a new session's ``copy_threads`` slots of ``pinned_per_thread_bytes``, besides
+        ``pinned_elsewhere_bytes`` of the open sessions' staging."""
         b = self.cfg.budget
         return Budgeter(copy_threads, pinned_per_thread_bytes, override_bytes=b.override, cap_bytes=b.cap,
                         cgroup_path=b.cgroup or None, pinned_elsewhere_bytes=pinned_elsewhere_bytes,
                         kernel_overhead=b.kernel_overhead)
+
+    def daemon_budgeter(self) -> Budgeter:
+        """Eq. 1-2 for the daemon as a whole: no session being planned, every open session's staging as
+        ``M_pin,others``."""
+        return self.budgeter(0, 0, self.staging_bytes())
 
     def staging_bytes(self) -> int:
         """The staging of every open session (shmem of the daemon's once it is touched)."""
@@ -331,7 +336,7 @@ class SessionManager:
     def _pagecache_room(self) -> int:
         """Page-cache bytes neither live sessions nor retained prefixes hold, of the last sampled ``B_pc``."""
         try:
-            self._last_budget = self.budgeter(0, 0, self.staging_bytes()).sample().pagecache_budget_bytes
+            self._last_budget = self.daemon_budgeter().sample().pagecache_budget_bytes
         except (OSError, ValueError) as e:
             log.warning("budget sampling failed (%s); retaining on the device only", e)
             return 0
