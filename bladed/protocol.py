@@ -426,6 +426,14 @@ def encode_io_reply(req_id: int, results: Sequence[RangeResult]) -> bytes:
     return _frame(IO_FORMAT, b"".join(parts + messages))
 
 
+def encode_io_served(req_id: int, path: str, rows: Sequence[tuple[int, int, int, int, int]]) -> bytes:
+    """:func:`encode_io_reply` of a request whose every range was served on ``path``, from one
+    ``(nbytes, service_ns, hit_bytes or NO_HIT, started_ns, finished_ns)`` row per range."""
+    code = _PATH_CODES[path]
+    pack = IO_RESULT.pack
+    return _frame(IO_FORMAT, IO_REPLY.pack(req_id, 0, len(rows)) + b"".join([pack(0, code, *r) for r in rows]))
+
+
 def encode_io_refusal(req_id: int, code: ErrorCode, message: str) -> bytes:
     """A reply refusing a whole I/O request (nothing of it was done)."""
     text = clip(message).encode()

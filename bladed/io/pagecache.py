@@ -254,6 +254,31 @@ class PageCacheFile:
         del keep
         self.store._account(written=nbytes)
 
+    # -- the daemon's request lane: the caller keeps the file open and the range checked --------------------
+    def write_held(self, addr: int, file_offset: int, nbytes: int) -> None:
+        """:meth:`write_from` for a caller that keeps the file open meanwhile and checked the range (the
+        daemon's page-cache lane holds the channel lock and the KPU's in-flight count): no use count, no
+        accounting, so no lock once the file exists."""
+        if self._mm is None:
+            self._materialize()
+        ret = lib.bd_pwrite_full(self.fd, addr, nbytes, file_offset)
+        if ret < 0:
+            raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
+
+    def read_held(self, addr: int, file_offset: int, nbytes: int) -> int:
+        """:meth:`read_into` on the same terms as :meth:`write_held`; returns the bytes that were resident."""
+        if self._mm is None:
+            self._materialize()
+        assert self._mm is not None
+        pages = _pages(file_offset, nbytes)
+        ratio = self._residency(file_offset, nbytes, pages)
+        if ratio < 1.0:
+            start = file_offset - file_offset % PAGE_SIZE
+            with contextlib.suppress(OSError):
+                self._mm.madvise(mmap.MADV_WILLNEED, start, file_offset + nbytes - start)
+        ctypes.memmove(addr, self._base + file_offset, nbytes)
+        return round(ratio * nbytes)
+
     def drop(self, offset: int = 0, nbytes: int | None = None) -> None:
         """Evict the range from the page cache (CachePolicy-Only's proactive eviction).
 

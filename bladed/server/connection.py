@@ -48,6 +48,7 @@ from bladed.protocol import (
     send_frame,
 )
 from bladed.server.events import Peer
+from bladed.server.lane import PageCacheLane
 
 if TYPE_CHECKING:
     from bladed.server.daemon import Daemon
@@ -389,6 +390,7 @@ class Connection:
         """Serve binary I/O requests for one channel until the peer or the session goes."""
         stream = FrameStream(self.sock)
         limit = self.daemon.cfg.io.max_outstanding
+        lane = PageCacheLane(sess, sess.channel(ch), limit)
         sock = self.sock
         while True:
             try:
@@ -400,8 +402,10 @@ class Connection:
             self.requests += 1
             req_id = 0
             try:
-                req_id, ranges = decode_io_request(body)
-                data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
+                data = lane.serve(body)
+                if data is None:
+                    req_id, ranges = decode_io_request(body)
+                    data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
             except RequestError as e:
                 if not req_id and len(body) >= IO_REQUEST.size:
                     req_id = IO_REQUEST.unpack_from(body)[0]     # a malformed request's id, for its refusal

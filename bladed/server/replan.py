@@ -28,6 +28,7 @@ import collections
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -117,8 +118,27 @@ class LiveState:
             for t in blocked:
                 self.begin(t, channel, serve=False)
 
-    def end_all(self, tensor_ids: list[int]) -> None:
+    def begin_ready(self, tensor_ids: list[int]) -> list[KPU] | None:
+        """:meth:`begin_all` when none of the KPUs has a demotion pending or in progress; else None, counting
+        nothing (the caller takes the general path, which carries the demotions out)."""
         with self._lock:
+            if self.pending or self._moving:
+                for t in tensor_ids:
+                    if t in self.pending or t in self._moving:
+                        return None
+            inflight = self._inflight
+            for t in tensor_ids:
+                inflight[t] += 1
+            plan = self.sess.plan
+            return [plan.kpu(t) for t in tensor_ids]
+
+    def end_all(self, tensor_ids: list[int], written: Sequence[tuple[int, int]] = ()) -> None:
+        """Uncount the ops of :meth:`begin_all`, recording ``written`` ``(tensor id, end token)`` as :meth:`wrote`."""
+        with self._lock:
+            filled = self.filled
+            for t, end in written:
+                if end > filled.get(t, 0):
+                    filled[t] = end
             inflight = self._inflight
             for t in tensor_ids:
                 inflight[t] -= 1

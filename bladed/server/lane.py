@@ -1,0 +1,161 @@
+"""The page-cache lane: a binary I/O request whose ranges all address plain page-cache KPUs, served in one pass.
+
+Every one-token append and most of a decode step's reads on the page-cache
+path are such requests.  :meth:`Session.execute` serves any request: it turns
+each range into an ``IORange``, checks it, binds it to an ``Access``, hands each
+store its share and records the results one by one.  On the request path that
+generality was most of the cost of a one-token round trip (docs/benchmarks.md,
+"Request overhead"); the lane does the same work for the common case in one
+function: the ranges checked as they are unpacked, one lock for the in-flight
+counts at each end (the fill marks ride on the second), the copies in C, the
+reply packed as it goes.
+
+Anything else (a request that is malformed or out of range, a KPU on the
+direct path or dropped after use (CachePolicy-Only), checksums, a pending
+demotion, a session that is closing) returns None before anything is done, and
+the connection hands the request to :meth:`Session.execute`, which serves it
+or refuses it with the exact error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from bladed.io import BladedIOError
+from bladed.protocol import (
+    IO_RANGE,
+    IO_REQUEST,
+    MIRROR,
+    NO_HIT,
+    ErrorCode,
+    IOOp,
+    RangeResult,
+    encode_io_reply,
+    encode_io_served,
+)
+from bladed.residency.planner import KVPath
+
+if TYPE_CHECKING:
+    from bladed.server.channel import Channel
+    from bladed.server.session import Session
+    from bladed.server.stores import PageCacheKPUStore
+
+_WRITE = int(IOOp.WRITE)
+_READ = int(IOOp.READ)
+_PAGECACHE = KVPath.PAGECACHE
+_PATH_NAME = _PAGECACHE.value
+#: a checked range: (write, tensor id, KPU byte offset, bytes, slot offset, end token)
+Checked = tuple[bool, int, int, int, int, int]
+#: a served range's result: (bytes, service ns, resident bytes or NO_HIT, started ns, finished ns)
+Row = tuple[int, int, int, int, int]
+
+
+class PageCacheLane:
+    """The lane of one channel of a session (made when a data connection attaches to it)."""
+
+    def __init__(self, sess: Session, ch: Channel, limit: int) -> None:
+        g = sess.geometry
+        self.sess = sess
+        self.ch = ch
+        self.limit = min(limit, 0xFFFF)
+        self.token_bytes = g.token_bytes
+        self.tensors = 2 * g.layers
+        self.max_tokens = g.max_tokens
+        self.slot_bytes = sess.slot_bytes
+
+    def serve(self, body: memoryview) -> bytes | None:
+        """The reply frame of request ``body``, or None: nothing done, take the general path."""
+        sess = self.sess
+        size = len(body)
+        if sess.checksums is not None or size < IO_REQUEST.size:
+            return None
+        req_id, n, flags = IO_REQUEST.unpack_from(body)
+        if flags or not 1 <= n <= self.limit or size != IO_REQUEST.size + n * IO_RANGE.size:
+            return None
+        tb, tensors, max_tokens, slot_bytes = self.token_bytes, self.tensors, self.max_tokens, self.slot_bytes
+        ranges: list[Checked] = []
+        tids: list[int] = []
+        for op, tid, t0, nt, so in IO_RANGE.iter_unpack(body[IO_REQUEST.size:]):
+            end = t0 + nt
+            nbytes = nt * tb
+            if so == MIRROR:
+                so = t0 * tb
+            if (op != _WRITE and op != _READ) or tid >= tensors or nt < 1 or end > max_tokens \
+                    or so + nbytes > slot_bytes:
+                return None
+            ranges.append((op == _WRITE, tid, t0 * tb, nbytes, so, end))
+            tids.append(tid)
+        if n > 1:
+            if len(set(tids)) != n:
+                return None
+            spans = sorted((r[4], r[4] + r[3]) for r in ranges)
+            if any(s2 < e1 for (_, e1), (s2, _) in itertools.pairwise(spans)):
+                return None
+        ch = self.ch
+        with ch.lock:
+            if sess.closing:
+                return None
+            live = sess.live
+            kpus = live.begin_ready(tids)
+            if kpus is None:
+                return None
+            written: list[tuple[int, int]] = []
+            try:
+                for k in kpus:
+                    if k.path is not _PAGECACHE or k.drop_after_use:
+                        return None
+                store = sess.pagecache
+                assert store is not None
+                t0 = time.monotonic_ns()
+                rows, failed = _copy(store, ch.slot.address, ranges, written)
+                ch.busy_ns += time.monotonic_ns() - t0
+                ch.ops += n
+            finally:
+                live.end_all(tids, written)
+        stats = sess.stats
+        for (write, _tid, _off, nbytes, _so, _end), row in zip(ranges, rows, strict=True):
+            if row is None:
+                stats.io_error(_PATH_NAME, "write" if write else "read")
+                continue
+            hit = row[2]
+            stats.observe_io(_PATH_NAME, "write" if write else "read", nbytes, row[1] / 1e9,
+                             None if hit == NO_HIT else hit / nbytes)
+        if failed is None:
+            return encode_io_served(req_id, _PATH_NAME, rows)   # type: ignore[arg-type]
+        results = [RangeResult(path=_PATH_NAME, nbytes=r[0], service_ns=r[1],
+                               hit_bytes=None if r[2] == NO_HIT else r[2], started_ns=r[3], finished_ns=r[4])
+                   if r is not None else RangeResult(ErrorCode.IO_ERROR, failed[i]) for i, r in enumerate(rows)]
+        return encode_io_reply(req_id, results)
+
+
+def _copy(store: PageCacheKPUStore, slot: int, ranges: list[Checked],
+          written: list[tuple[int, int]]) -> tuple[list[Row | None], dict[int, str] | None]:
+    """Copy each range between the slot and its KPU's file; the result rows, and the failed ones' messages."""
+    files = store.file
+    mono = time.monotonic_ns
+    rows: list[Row | None] = []
+    failed: dict[int, str] | None = None
+    for i, (write, tid, off, nbytes, so, end) in enumerate(ranges):
+        f = files(tid)
+        t0 = mono()
+        try:
+            if write:
+                f.write_held(slot + so, off, nbytes)
+                hit = NO_HIT
+            else:
+                hit = f.read_held(slot + so, off, nbytes)
+        except (OSError, BladedIOError) as e:
+            failed = failed or {}
+            failed[i] = f"page-cache {'write' if write else 'read'} of {f.name}: {e}"
+            rows.append(None)
+            continue
+        t1 = mono()
+        rows.append((nbytes, t1 - t0, hit, t0, t1))
+        if write:
+            written.append((tid, end))
+    return rows, failed
+
+
+__all__ = ["PageCacheLane"]
