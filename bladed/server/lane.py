@@ -35,7 +35,7 @@ from bladed.protocol import (
     encode_io_reply,
     encode_io_served,
 )
-from bladed.residency.planner import KVPath
+from bladed.residency.planner import KVPath, Plan
 
 if TYPE_CHECKING:
     from bladed.server.channel import Channel
@@ -61,9 +61,20 @@ class PageCacheLane:
         self.ch = ch
         self.limit = min(limit, 0xFFFF)
         self.token_bytes = g.token_bytes
-        self.tensors = 2 * g.layers
         self.max_tokens = g.max_tokens
         self.slot_bytes = sess.slot_bytes
+        self._plan: Plan | None = None
+        self._lane_tids: frozenset[int] = frozenset()
+
+    def _eligible(self) -> frozenset[int]:
+        """The tensor ids of the plan's plain page-cache KPUs (a hint, before the in-flight counts are taken:
+        a demotion replaces the plan; the KPUs are checked again under the counts)."""
+        plan = self.sess.plan
+        if plan is not self._plan:
+            self._lane_tids = frozenset(k.tensor_id for k in plan.kpus
+                                        if k.path is _PAGECACHE and not k.drop_after_use)
+            self._plan = plan
+        return self._lane_tids
 
     def serve(self, body: memoryview) -> bytes | None:
         """The reply frame of request ``body``, or None: nothing done, take the general path."""
@@ -74,7 +85,8 @@ class PageCacheLane:
         req_id, n, flags = IO_REQUEST.unpack_from(body)
         if flags or not 1 <= n <= self.limit or size != IO_REQUEST.size + n * IO_RANGE.size:
             return None
-        tb, tensors, max_tokens, slot_bytes = self.token_bytes, self.tensors, self.max_tokens, self.slot_bytes
+        tb, max_tokens, slot_bytes = self.token_bytes, self.max_tokens, self.slot_bytes
+        lane_tids = self._eligible()
         ranges: list[Checked] = []
         tids: list[int] = []
         for op, tid, t0, nt, so in IO_RANGE.iter_unpack(body[IO_REQUEST.size:]):
@@ -82,7 +94,7 @@ class PageCacheLane:
             nbytes = nt * tb
             if so == MIRROR:
                 so = t0 * tb
-            if (op != _WRITE and op != _READ) or tid >= tensors or nt < 1 or end > max_tokens \
+            if (op != _WRITE and op != _READ) or tid not in lane_tids or nt < 1 or end > max_tokens \
                     or so + nbytes > slot_bytes:
                 return None
             ranges.append((op == _WRITE, tid, t0 * tb, nbytes, so, end))
