@@ -4,8 +4,8 @@ Every one-token append and most of a decode step's reads on the page-cache
 path are such requests.  :meth:`Session.execute` serves any request: it turns
 each range into an ``IORange``, checks it, binds it to an ``Access``, hands each
 store its share and records the results one by one.  On the request path that
-generality was most of the cost of a one-token round trip (docs/benchmarks.md,
-"Request overhead"); the lane does the same work for the common case in one
+generality was most of the cost of a one-token round trip (docs/benchmarks.md, "The
+page-cache lane"); the lane does the same work for the common case in one
 function: the ranges checked as they are unpacked, one lock for the in-flight
 counts at each end (the fill marks ride on the second), the copies in C, the
 reply packed as it goes.
