@@ -375,21 +375,21 @@ def test_a_page_cache_range_that_fails_fails_alone_and_the_batch_completes(tmp: 
     kpu, tb = 64 * 4096, 4096
     with small_fs("tmpfs", "2M", os.path.join(tmp, "fs")) as fs:
         cfg = {"pagecache": {"directory": fs}, "budget": {"override": 64 << 20}}
-        with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
-            with c.open_session(geo, mode="baseline", channels=1, slot_bytes=2 * kpu) as s:
-                s.slot(0)[:kpu] = b"\x42" * kpu
-                s.write(0, "k", 0)                       # layer 0 K's file exists before the filesystem fills
-                fill(os.path.join(fs, "filler"))
-                s.slot(0)[:2 * tb] = os.urandom(2 * tb)
-                ok, bad = s.submit(0, [s.range("write", 0, "k", 7, 1, slot_offset=0),
-                                       s.range("write", 1, "v", 7, 1, slot_offset=tb)], check=False)
-                assert ok.error is None and ok.path == "pagecache" and ok.nbytes == tb
-                assert isinstance(bad.error, RemoteIOError), bad
-                assert "page-cache write" in str(bad.error) and "No space" in str(bad.error), str(bad.error)
-                want = bytes(s.slot(0)[:tb])
-                s.read(0, "k", 0, 7, 1)
-                assert bytes(s.slot(0)[7 * tb:8 * tb]) == want
-                assert c.stats()["io"]["pagecache"]["write"]["errors"] == 1
+        with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c, \
+                c.open_session(geo, mode="baseline", channels=1, slot_bytes=2 * kpu) as s:
+            s.slot(0)[:kpu] = b"\x42" * kpu
+            s.write(0, "k", 0)                       # layer 0 K's file exists before the filesystem fills
+            fill(os.path.join(fs, "filler"))
+            s.slot(0)[:2 * tb] = os.urandom(2 * tb)
+            ok, bad = s.submit(0, [s.range("write", 0, "k", 7, 1, slot_offset=0),
+                                   s.range("write", 1, "v", 7, 1, slot_offset=tb)], check=False)
+            assert ok.error is None and ok.path == "pagecache" and ok.nbytes == tb
+            assert isinstance(bad.error, RemoteIOError), bad
+            assert "page-cache write" in str(bad.error) and "No space" in str(bad.error), str(bad.error)
+            want = bytes(s.slot(0)[:tb])
+            s.read(0, "k", 0, 7, 1)
+            assert bytes(s.slot(0)[7 * tb:8 * tb]) == want
+            assert c.stats()["io"]["pagecache"]["write"]["errors"] == 1
 
 
 def oom_kills(cgroup: str) -> int:
