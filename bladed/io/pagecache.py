@@ -222,14 +222,7 @@ class PageCacheFile:
         self._enter()
         ratio = 1.0
         try:
-            assert self._mm is not None
-            ratio = self._residency(file_offset, nbytes, _pages(file_offset, nbytes)) if nbytes else 1.0
-            if ratio < 1.0:
-                # start reading the whole range now rather than fault by fault
-                start = file_offset - file_offset % PAGE_SIZE
-                with contextlib.suppress(OSError):
-                    self._mm.madvise(mmap.MADV_WILLNEED, start, file_offset + nbytes - start)
-            ctypes.memmove(addr, self._base + file_offset, nbytes)
+            ratio = self._copy_out(addr, file_offset, nbytes)
         finally:
             hit = round(ratio * nbytes)
             self._leave(read=nbytes, hit=hit)
@@ -243,16 +236,31 @@ class PageCacheFile:
         addr, keep = _address(src, nbytes, src_offset, writable=False)
         self._enter()
         try:
-            # pwrite, not a store through the mapping: in a cgroup-v1 memcg at its limit, files written through
-            # mappings kept open went to disk whole while being written (1776 of 1920 MiB), with pwrite
-            # 272-528 MiB (docs/benchmarks.md, "Prefill below the full-fit limit")
-            ret = lib.bd_pwrite_full(self.fd, addr, nbytes, file_offset)
-            if ret < 0:
-                raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
+            self._copy_in(addr, file_offset, nbytes)
         finally:
             self._leave(written=nbytes)
         del keep
         self.store._account(written=nbytes)
+
+    def _copy_out(self, addr: int, file_offset: int, nbytes: int) -> float:
+        """Copy the range from the mapping to ``addr``; the fraction that was resident (measured first)."""
+        assert self._mm is not None
+        ratio = self._residency(file_offset, nbytes, _pages(file_offset, nbytes)) if nbytes else 1.0
+        if ratio < 1.0:
+            # start reading the whole range now rather than fault by fault
+            start = file_offset - file_offset % PAGE_SIZE
+            with contextlib.suppress(OSError):
+                self._mm.madvise(mmap.MADV_WILLNEED, start, file_offset + nbytes - start)
+        ctypes.memmove(addr, self._base + file_offset, nbytes)
+        return ratio
+
+    def _copy_in(self, addr: int, file_offset: int, nbytes: int) -> None:
+        # pwrite, not a store through the mapping: in a cgroup-v1 memcg at its limit, files written through
+        # mappings kept open went to disk whole while being written (1776 of 1920 MiB), with pwrite
+        # 272-528 MiB (docs/benchmarks.md, "Prefill below the full-fit limit")
+        ret = lib.bd_pwrite_full(self.fd, addr, nbytes, file_offset)
+        if ret < 0:
+            raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
 
     # -- the daemon's request lane: the caller keeps the file open and the range checked --------------------
     def write_held(self, addr: int, file_offset: int, nbytes: int) -> None:
@@ -261,23 +269,13 @@ class PageCacheFile:
         accounting, so no lock once the file exists."""
         if self._mm is None:
             self._materialize()
-        ret = lib.bd_pwrite_full(self.fd, addr, nbytes, file_offset)
-        if ret < 0:
-            raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
+        self._copy_in(addr, file_offset, nbytes)
 
     def read_held(self, addr: int, file_offset: int, nbytes: int) -> int:
         """:meth:`read_into` on the same terms as :meth:`write_held`; returns the bytes that were resident."""
         if self._mm is None:
             self._materialize()
-        assert self._mm is not None
-        pages = _pages(file_offset, nbytes)
-        ratio = self._residency(file_offset, nbytes, pages)
-        if ratio < 1.0:
-            start = file_offset - file_offset % PAGE_SIZE
-            with contextlib.suppress(OSError):
-                self._mm.madvise(mmap.MADV_WILLNEED, start, file_offset + nbytes - start)
-        ctypes.memmove(addr, self._base + file_offset, nbytes)
-        return round(ratio * nbytes)
+        return round(self._copy_out(addr, file_offset, nbytes) * nbytes)
 
     def drop(self, offset: int = 0, nbytes: int | None = None) -> None:
         """Evict the range from the page cache (CachePolicy-Only's proactive eviction).

@@ -23,7 +23,6 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from bladed.io import BladedIOError
 from bladed.protocol import (
     IO_RANGE,
     IO_REQUEST,
@@ -40,16 +39,12 @@ from bladed.residency.planner import KVPath, Plan
 if TYPE_CHECKING:
     from bladed.server.channel import Channel
     from bladed.server.session import Session
-    from bladed.server.stores import PageCacheKPUStore
+    from bladed.server.stores.pagecache import HeldRange
 
 _WRITE = int(IOOp.WRITE)
 _READ = int(IOOp.READ)
 _PAGECACHE = KVPath.PAGECACHE
 _PATH_NAME = _PAGECACHE.value
-#: a checked range: (write, tensor id, KPU byte offset, bytes, slot offset, end token)
-Checked = tuple[bool, int, int, int, int, int]
-#: a served range's result: (bytes, service ns, resident bytes or NO_HIT, started ns, finished ns)
-Row = tuple[int, int, int, int, int]
 
 
 class PageCacheLane:
@@ -87,7 +82,7 @@ class PageCacheLane:
             return None
         tb, max_tokens, slot_bytes = self.token_bytes, self.max_tokens, self.slot_bytes
         lane_tids = self._eligible()
-        ranges: list[Checked] = []
+        ranges: list[HeldRange] = []
         tids: list[int] = []
         for op, tid, t0, nt, so in IO_RANGE.iter_unpack(body[IO_REQUEST.size:]):
             end = t0 + nt
@@ -121,7 +116,7 @@ class PageCacheLane:
                 store = sess.pagecache
                 assert store is not None
                 t0 = time.monotonic_ns()
-                rows, failed = _copy(store, ch.slot.address, ranges, written)
+                rows, failed = store.run_held(ch.slot.address, ranges, written)
                 ch.busy_ns += time.monotonic_ns() - t0
                 ch.ops += n
             finally:
@@ -140,34 +135,6 @@ class PageCacheLane:
                                hit_bytes=None if r[2] == NO_HIT else r[2], started_ns=r[3], finished_ns=r[4])
                    if r is not None else RangeResult(ErrorCode.IO_ERROR, failed[i]) for i, r in enumerate(rows)]
         return encode_io_reply(req_id, results)
-
-
-def _copy(store: PageCacheKPUStore, slot: int, ranges: list[Checked],
-          written: list[tuple[int, int]]) -> tuple[list[Row | None], dict[int, str] | None]:
-    """Copy each range between the slot and its KPU's file; the result rows, and the failed ones' messages."""
-    files = store.file
-    mono = time.monotonic_ns
-    rows: list[Row | None] = []
-    failed: dict[int, str] | None = None
-    for i, (write, tid, off, nbytes, so, end) in enumerate(ranges):
-        f = files(tid)
-        t0 = mono()
-        try:
-            if write:
-                f.write_held(slot + so, off, nbytes)
-                hit = NO_HIT
-            else:
-                hit = f.read_held(slot + so, off, nbytes)
-        except (OSError, BladedIOError) as e:
-            failed = failed or {}
-            failed[i] = f"page-cache {'write' if write else 'read'} of {f.name}: {e}"
-            rows.append(None)
-            continue
-        t1 = mono()
-        rows.append((nbytes, t1 - t0, hit, t0, t1))
-        if write:
-            written.append((tid, end))
-    return rows, failed
 
 
 __all__ = ["PageCacheLane"]

@@ -74,12 +74,6 @@ class LiveState:
         self.demoted_bytes = 0
         self.failed = 0
 
-    def wrote(self, tensor_id: int, end_token: int) -> None:
-        """Record a write up to ``end_token`` (called by the channel after the write)."""
-        with self._lock:
-            if end_token > self.filled.get(tensor_id, 0):
-                self.filled[tensor_id] = end_token
-
     def to_dict(self) -> dict[str, Any]:
         with self._cond:
             return {"demoted_kpus": self.demoted_kpus, "demoted_bytes": self.demoted_bytes,
@@ -106,17 +100,12 @@ class LiveState:
         request never holds a count while it waits, so two requests and a demotion
         cannot wait on each other.  Returns the KPUs as the session's plan now has them.
         """
-        while True:
+        while (kpus := self.begin_ready(tensor_ids)) is None:
             with self._lock:
                 blocked = [t for t in tensor_ids if t in self._moving or t in self.pending]
-                if not blocked:
-                    inflight = self._inflight
-                    for t in tensor_ids:
-                        inflight[t] += 1
-                    plan = self.sess.plan
-                    return [plan.kpu(t) for t in tensor_ids]
             for t in blocked:
                 self.begin(t, channel, serve=False)
+        return kpus
 
     def begin_ready(self, tensor_ids: list[int]) -> list[KPU] | None:
         """:meth:`begin_all` when none of the KPUs has a demotion pending or in progress; else None, counting
@@ -133,7 +122,8 @@ class LiveState:
             return [plan.kpu(t) for t in tensor_ids]
 
     def end_all(self, tensor_ids: list[int], written: Sequence[tuple[int, int]] = ()) -> None:
-        """Uncount the ops of :meth:`begin_all`, recording ``written`` ``(tensor id, end token)`` as :meth:`wrote`."""
+        """Uncount the ops of :meth:`begin_all`, and record the writes among them: ``written`` holds
+        ``(tensor id, end token)`` of each (what :attr:`filled` keeps)."""
         with self._lock:
             filled = self.filled
             for t, end in written:

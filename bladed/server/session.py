@@ -255,6 +255,7 @@ class Session:
         tids = [r.tensor_id for r, _, _, _ in checked]
         # pending live demotions of these KPUs are carried out first (bladed.server.replan)
         kpus = live.begin_all(tids, ch)
+        written: list[tuple[int, int]] = []
         try:
             accesses = [Access(r.op, kpu, r.token_start, r.ntokens, off, n, so)
                         for (r, off, n, so), kpu in zip(checked, kpus, strict=True)]
@@ -266,13 +267,14 @@ class Session:
                 pagecache.run(ch, pc)
             if direct:
                 extent_store.run(ch, direct)
-            self._after(ch, accesses)
+            written = self._after(ch, accesses)
         finally:
-            live.end_all(tids)
+            live.end_all(tids, written)
         return [a.result for a in accesses]
 
-    def _after(self, ch: Channel, accesses: list[Access]) -> None:
-        """Checksums, fill marks and statistics of the accesses that ran."""
+    def _after(self, ch: Channel, accesses: list[Access]) -> list[tuple[int, int]]:
+        """Checksums and statistics of the accesses that ran; the fill marks of the writes that succeeded."""
+        written: list[tuple[int, int]] = []
         for a in accesses:
             r = a.result
             if r.error is None and self.checksums is not None:
@@ -289,9 +291,10 @@ class Session:
                 self.stats.io_error(path, op)
                 continue
             if a.write:
-                self.live.wrote(a.kpu.tensor_id, a.token_start + a.ntokens)
+                written.append((a.kpu.tensor_id, a.token_start + a.ntokens))
             hit = None if r.hit_bytes is None else r.hit_bytes / a.nbytes
             self.stats.observe_io(path, op, a.nbytes, r.service_ns / 1e9, hit)
+        return written
 
 
 class SessionManager:
