@@ -32,7 +32,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from bladed import __version__
 from bladed.config import SocketLocation, find_socket
@@ -71,6 +71,7 @@ from bladed.sizes import align_up
 log = logging.getLogger(__name__)
 
 MODES = ("baseline", "cachepolicy", "direct", "dualblade")
+_OP_NAMES = {IOOp.WRITE: "write", IOOp.READ: "read"}
 
 __all__ = [
     "BadRequestError",
@@ -107,9 +108,8 @@ class PrefixKey:
         return {"model": self.model, "dtype": self.dtype, "tokens": [int(t) for t in self.tokens]}
 
 
-@dataclass(frozen=True)
-class OpResult:
-    """The outcome of one write or read."""
+class OpResult(NamedTuple):
+    """The outcome of one write or read (a named tuple: one is made per range on the request path)."""
 
     op: str
     layer: int
@@ -471,21 +471,21 @@ class Session:
         """
         return self._results(ch, ranges, self.channel(ch).submit(ranges), check)
 
-    def _results(self, ch: int, ranges: Sequence[IORange], results: list[RangeResult], check: bool) -> list[OpResult]:
+    @staticmethod
+    def _results(ch: int, ranges: Sequence[IORange], results: list[RangeResult], check: bool) -> list[OpResult]:
         out = []
         first: BladedError | None = None
         for r, res in zip(ranges, results, strict=True):
             layer, kind = tensor_of(r.tensor_id)
+            op = _OP_NAMES[r.op]
             if res.error is not None:
-                if first is None:
-                    first = error_for(res.error, res.message)
-                out.append(OpResult(op=r.op.name.lower(), layer=layer, kind=kind, channel=ch, path=res.path or "",
-                                    nbytes=0, service_ns=0, hit_ratio=None, error=error_for(res.error, res.message)))
+                err = error_for(res.error, res.message)
+                first = first or err
+                out.append(OpResult(op, layer, kind, ch, res.path or "", 0, 0, None, 0, 0, err))
                 continue
-            hit = None if res.hit_bytes is None or not res.nbytes else res.hit_bytes / res.nbytes
-            out.append(OpResult(op=r.op.name.lower(), layer=layer, kind=kind, channel=ch, path=res.path or "",
-                                nbytes=res.nbytes, service_ns=res.service_ns, hit_ratio=hit,
-                                started_ns=res.started_ns, finished_ns=res.finished_ns))
+            nbytes, hit = res.nbytes, res.hit_bytes
+            out.append(OpResult(op, layer, kind, ch, res.path or "", nbytes, res.service_ns,
+                                None if hit is None or not nbytes else hit / nbytes, res.started_ns, res.finished_ns))
         if check and first is not None:
             raise first
         return out

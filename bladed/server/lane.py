@@ -121,14 +121,7 @@ class PageCacheLane:
                 ch.ops += n
             finally:
                 live.end_all(tids, written)
-        stats = sess.stats
-        for (write, _tid, _off, nbytes, _so, _end), row in zip(ranges, rows, strict=True):
-            if row is None:
-                stats.io_error(_PATH_NAME, "write" if write else "read")
-                continue
-            hit = row[2]
-            stats.observe_io(_PATH_NAME, "write" if write else "read", nbytes, row[1] / 1e9,
-                             None if hit == NO_HIT else hit / nbytes)
+        sess.stats.observe_served(_PATH_NAME, [r[0] for r in ranges], rows)
         if failed is None:
             return encode_io_served(req_id, _PATH_NAME, rows)   # type: ignore[arg-type]
         results = [RangeResult(path=_PATH_NAME, nbytes=r[0], service_ns=r[1],

@@ -16,7 +16,7 @@ import os
 import socket
 import socketserver
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import MetricsHandler
 
 from bladed import __version__
-from bladed.protocol import PROTOCOL_VERSION
+from bladed.protocol import NO_HIT, PROTOCOL_VERSION
 from bladed.residency.planner import KVPath
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,23 @@ class Stats:
             if hit_ratio is not None:
                 self.pagecache_read_bytes += nbytes
                 self.pagecache_hit_bytes += hit_ratio * nbytes
+
+    def observe_served(self, path: str, writes: Sequence[bool],
+                       rows: Sequence[tuple[int, int, int, int, int] | None]) -> None:
+        """:meth:`observe_io` and :meth:`io_error` for a whole request served on ``path`` (the page-cache lane),
+        under one lock: ``writes[i]`` tells range ``i``'s op, ``rows[i]`` its ``(nbytes, service_ns, resident bytes
+        or NO_HIT, started_ns, finished_ns)``, None where it failed."""
+        with self._lock:
+            for write, row in zip(writes, rows, strict=True):
+                counters = self.io[(path, "write" if write else "read")]
+                if row is None:
+                    counters.errors += 1
+                    continue
+                nbytes, service_ns, hit = row[0], row[1], row[2]
+                counters.observe(nbytes, service_ns / 1e9)
+                if hit != NO_HIT:
+                    self.pagecache_read_bytes += nbytes
+                    self.pagecache_hit_bytes += hit
 
     def io_error(self, path: str, op: str) -> None:
         with self._lock:

@@ -24,7 +24,6 @@ again.  Nothing is ever promoted back (growth goes to new sessions).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -67,7 +66,7 @@ class LiveState:
         self.pending: dict[int, KPU] = {}
         self.target: Plan | None = None           # the plan once every pending demotion is done
         self._moving: set[int] = set()
-        self._inflight: collections.Counter[int] = collections.Counter()
+        self._inflight: dict[int, int] = {}       # tensor id -> requests in flight on it (absent: none)
         #: tokens ``[0, filled[t])`` of tensor ``t`` were written (what a demotion copies)
         self.filled: dict[int, int] = {}
         self.demoted_kpus = 0
@@ -117,7 +116,7 @@ class LiveState:
                         return None
             inflight = self._inflight
             for t in tensor_ids:
-                inflight[t] += 1
+                inflight[t] = inflight.get(t, 0) + 1
             plan = self.sess.plan
             return [plan.kpu(t) for t in tensor_ids]
 
@@ -131,8 +130,10 @@ class LiveState:
                     filled[t] = end
             inflight = self._inflight
             for t in tensor_ids:
-                inflight[t] -= 1
-                if not inflight[t]:
+                left = inflight[t] - 1
+                if left:
+                    inflight[t] = left
+                else:
                     del inflight[t]
             if self._moving:
                 self._cond.notify_all()
@@ -148,10 +149,10 @@ class LiveState:
             new = self.pending.pop(tensor_id, None)
             if new is None:
                 if serve:
-                    self._inflight[tensor_id] += 1
+                    self._inflight[tensor_id] = self._inflight.get(tensor_id, 0) + 1
                 return self.sess.plan.kpu(tensor_id)
             self._moving.add(tensor_id)
-            while self._inflight[tensor_id]:
+            while tensor_id in self._inflight:
                 self._cond.wait()
         try:
             if self.replanner is not None and not self.sess.closing:
@@ -160,20 +161,13 @@ class LiveState:
             with self._cond:
                 self._moving.discard(tensor_id)
                 if serve:
-                    self._inflight[tensor_id] += 1
+                    self._inflight[tensor_id] = self._inflight.get(tensor_id, 0) + 1
                 self._cond.notify_all()
         return self.sess.plan.kpu(tensor_id)
 
     def run_pending(self, tensor_id: int, channel: Channel) -> None:
         """The eager path: the demotion worker, holding ``channel``, demotes the KPU if no request did it first."""
         self.begin(tensor_id, channel, serve=False)
-
-    def end(self, tensor_id: int) -> None:
-        with self._cond:
-            self._inflight[tensor_id] -= 1
-            if not self._inflight[tensor_id]:
-                del self._inflight[tensor_id]
-                self._cond.notify_all()
 
     def done(self, kpu: KPU, nbytes: int) -> None:
         with self._cond:
