@@ -331,6 +331,9 @@ IO_REPLY = struct.Struct("<QBxH")
 IO_RESULT = struct.Struct("<BBxxxxxxQQQQQ")
 #: ``hit_bytes`` of a range that is not a page-cache read
 NO_HIT = (1 << 64) - 1
+#: one served range as the daemon's hot path carries it: bytes, service ns, resident bytes of a page-cache read
+#: (``NO_HIT`` otherwise), started ns, finished ns (an IO_RESULT without its status and path)
+ServedRow = tuple[int, int, int, int, int]
 #: most ranges in one request: a request and its reply (with messages) always fit a frame
 MAX_RANGES = 4096
 #: longest message carried per failed range in a binary reply
@@ -431,7 +434,7 @@ def encode_io_reply(req_id: int, results: Sequence[RangeResult]) -> bytes:
     return _frame(IO_FORMAT, b"".join(parts + messages))
 
 
-def encode_io_served(req_id: int, path: str, rows: Sequence[tuple[int, int, int, int, int]]) -> bytes:
+def encode_io_served(req_id: int, path: str, rows: Sequence[ServedRow]) -> bytes:
     """:func:`encode_io_reply` of a request whose every range was served on ``path``, from one
     ``(nbytes, service_ns, hit_bytes or NO_HIT, started_ns, finished_ns)`` row per range."""
     code = _PATH_CODES[path]

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import MetricsHandler
 
 from bladed import __version__
-from bladed.protocol import NO_HIT, PROTOCOL_VERSION
+from bladed.protocol import NO_HIT, PROTOCOL_VERSION, ServedRow
 from bladed.residency.planner import KVPath
 
 log = logging.getLogger(__name__)
@@ -110,18 +110,10 @@ class Stats:
         self.by_label["connections_refused"] = dict.fromkeys(REFUSALS, 0)
         self.by_label["prefix_evictions"] = dict.fromkeys(PREFIX_EVICTIONS, 0)
 
-    def observe_io(self, path: str, op: str, nbytes: int, seconds: float, hit_ratio: float | None = None) -> None:
-        with self._lock:
-            self.io[(path, op)].observe(nbytes, seconds)
-            if hit_ratio is not None:
-                self.pagecache_read_bytes += nbytes
-                self.pagecache_hit_bytes += hit_ratio * nbytes
-
     def observe_served(self, path: str, writes: Sequence[bool],
-                       rows: Sequence[tuple[int, int, int, int, int] | None]) -> None:
-        """:meth:`observe_io` and :meth:`io_error` for a whole request served on ``path`` (the page-cache lane),
-        under one lock: ``writes[i]`` tells range ``i``'s op, ``rows[i]`` its ``(nbytes, service_ns, resident bytes
-        or NO_HIT, started_ns, finished_ns)``, None where it failed."""
+                       rows: Sequence[ServedRow | None]) -> None:
+        """Count the ranges of one request that ran on ``path``, under one lock: ``writes[i]`` tells range ``i``'s
+        op, ``rows[i]`` its :data:`~bladed.protocol.ServedRow`, None where it failed."""
         with self._lock:
             for write, row in zip(writes, rows, strict=True):
                 counters = self.io[(path, "write" if write else "read")]
@@ -133,10 +125,6 @@ class Stats:
                 if hit != NO_HIT:
                     self.pagecache_read_bytes += nbytes
                     self.pagecache_hit_bytes += hit
-
-    def io_error(self, path: str, op: str) -> None:
-        with self._lock:
-            self.io[(path, op)].errors += 1
 
     def add(self, name: str, value: int = 1) -> None:
         """Add to an unlabelled counter (the LABELLED ones go through :meth:`count`)."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from bladed.config import Config
 from bladed.io import Engine, ExtentDevice, StagingBuffer
-from bladed.protocol import MIRROR, ErrorCode, IOOp, IORange, RangeResult, RequestError, get_field
+from bladed.protocol import MIRROR, NO_HIT, ErrorCode, IOOp, IORange, RangeResult, RequestError, ServedRow, get_field
 from bladed.residency.budget import Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.geometry import GEOMETRY_FIELDS, Geometry, tensor_id, tensor_of
@@ -275,6 +275,7 @@ class Session:
     def _after(self, ch: Channel, accesses: list[Access]) -> list[tuple[int, int]]:
         """Checksums and statistics of the accesses that ran; the fill marks of the writes that succeeded."""
         written: list[tuple[int, int]] = []
+        by_path: dict[str, tuple[list[bool], list[ServedRow | None]]] = {}
         for a in accesses:
             r = a.result
             if r.error is None and self.checksums is not None:
@@ -285,15 +286,17 @@ class Session:
                 except RequestError as e:
                     self.stats.add("integrity_errors")
                     a.fail(e.code, e.message)
-            op = "write" if a.write else "read"
-            path = a.kpu.path          # a StrEnum: the path's name as the stats key
+            writes, rows = by_path.setdefault(a.kpu.path, ([], []))   # a StrEnum: the path's name as the key
+            writes.append(a.write)
             if r.error is not None:
-                self.stats.io_error(path, op)
+                rows.append(None)
                 continue
             if a.write:
                 written.append((a.kpu.tensor_id, a.token_start + a.ntokens))
-            hit = None if r.hit_bytes is None else r.hit_bytes / a.nbytes
-            self.stats.observe_io(path, op, a.nbytes, r.service_ns / 1e9, hit)
+            rows.append((a.nbytes, r.service_ns, NO_HIT if r.hit_bytes is None else r.hit_bytes,
+                         r.started_ns, r.finished_ns))
+        for path, (writes, rows) in by_path.items():
+            self.stats.observe_served(path, writes, rows)
         return written
 
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from bladed.io import BladedIOError
 from bladed.io.pagecache import PageCacheFile, PageCacheStore
-from bladed.protocol import NO_HIT, ErrorCode
+from bladed.protocol import NO_HIT, ErrorCode, ServedRow
 from bladed.residency.planner import KPU, KVPath
 from bladed.server.stores.base import Access, ChannelIO, KPUStore
 
@@ -26,9 +26,6 @@ log = logging.getLogger("bladed.session")
 
 #: a range the page-cache lane checked: (write, tensor id, KPU byte offset, bytes, slot offset, end token)
 HeldRange = tuple[bool, int, int, int, int, int]
-#: a range served by :meth:`PageCacheKPUStore.run_held`: (bytes, service ns, resident bytes or NO_HIT, started ns,
-#: finished ns)
-ServedRow = tuple[int, int, int, int, int]
 
 #: prefix of a session's page-cache directory (start-up removes what a crashed instance left)
 SESSION_DIR_PREFIX = "session-"
