@@ -436,7 +436,7 @@ def encode_io_reply(req_id: int, results: Sequence[RangeResult]) -> bytes:
 
 def encode_io_served(req_id: int, path: str, rows: Sequence[ServedRow]) -> bytes:
     """:func:`encode_io_reply` of a request whose every range was served on ``path``, from one
-    ``(nbytes, service_ns, hit_bytes or NO_HIT, started_ns, finished_ns)`` row per range."""
+    :data:`ServedRow` per range."""
     code = _PATH_CODES[path]
     n = len(rows)
     pack = IO_RESULT.pack
