@@ -2,7 +2,8 @@
 
 The copy thread sends a binary I/O request (a batch of token ranges) and reads
 the reply itself: no reader thread, no queue, no future between it and the
-daemon's connection thread (docs/protocol.md).  Requests may be
+daemon's connection thread (docs/protocol.md); the frames go in and out
+through C (``protocol.FrameStream``).  Requests may be
 pipelined (:meth:`DataChannel.send` several, then :meth:`DataChannel.receive`
 in order).  The future-returning calls of ``bladed.client.Session`` use a pump
 thread, started on their first use for that channel only.
@@ -92,7 +93,7 @@ class DataChannel:
         req_id = next(self._ids)
         data = encode_io_request(req_id, ranges)
         try:
-            self._sock.sendall(data)
+            self._stream.send(data)
         except OSError as e:
             raise self._fail(self._parting_error() or self._lost_error(e.strerror or str(e))) from None
         self._sent.append(req_id)

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
+from bladed._uring import ffi, lib
+
 #: version of the request/reply vocabulary; bumped on any incompatible change
 #: (2: data connections with binary batched I/O frames, ``attach``; 3: descriptive reply field names
 #: instead of the paper's symbols, and the daemon sizes an empty staging memfd itself)
@@ -482,58 +484,67 @@ def decode_io_reply(body: bytes | memoryview) -> tuple[int, ErrorCode | None, st
 
 
 class FrameStream:
-    """Frame reads on a data connection: one ``recv_into`` per frame when the peer sent it in one piece.
+    """Frame reads on a data connection, in C (``cffi_build/bladed_lane.c``): one ``recv`` per frame when the
+    peer sent it in one piece.
 
     Bytes that arrive beyond the current frame (a pipelined request) stay in
     the buffer for the next :meth:`read`.  No descriptors on these connections.
+    The daemon's page-cache lane reads through the same C stream (``into``).
     """
 
-    def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, *, into: Any = None) -> None:
         self.sock = sock
         self.max_bytes = max_bytes
-        self._buf = bytearray(64 * 1024)
-        self._view = memoryview(self._buf)
-        self._start = 0     # first byte not yet handed out
-        self._end = 0       # one past the last byte received
+        self._mem = ffi.new("uint8_t[]", HEADER.size + max_bytes)
+        self._view = memoryview(ffi.buffer(self._mem))
+        self.c = into if into is not None else ffi.new("struct bd_stream *")
+        self._keep = into
+        c = self.c
+        c.fd = sock.fileno()
+        c.max_bytes = max_bytes
+        c.buf = self._mem
+        c.cap = HEADER.size + max_bytes
 
-    def _more(self, *, at_boundary: bool) -> None:
-        if self._end == len(self._buf):
-            # make room: move what is left of the current frame to the front
-            n = self._end - self._start
-            self._buf[:n] = self._buf[self._start:self._end]
-            self._start, self._end = 0, n
-        got = self.sock.recv_into(self._view[self._end:])
-        if got == 0:
-            if at_boundary and self._start == self._end:
-                raise ConnectionClosed()
-            raise FrameError(f"connection closed in the middle of a frame ({self._end - self._start} bytes)")
-        self._end += got
+    def _timeout_ms(self) -> int:
+        t = self.sock.gettimeout()
+        return -1 if t is None else max(0, round(t * 1000))
+
+    def send(self, data: bytes) -> None:
+        """Send a whole frame (in C: no Python between the pieces of a short write)."""
+        r = lib.bd_send_all(self.c.fd, data, len(data))
+        if r:
+            raise OSError(-r, os.strerror(-r))
 
     def read(self) -> tuple[int, memoryview]:
         """``(format, body)`` of the next frame; the body view is valid until the next read."""
-        if self._start == self._end:
-            self._start = self._end = 0
-        while self._end - self._start < HEADER.size:
-            self._more(at_boundary=True)
-        magic, fmt, _flags, length = HEADER.unpack_from(self._buf, self._start)
-        if magic != MAGIC:
-            raise FrameError(f"bad frame magic {bytes(magic)!r} (not a bladed peer?)")
-        if fmt not in (JSON_FORMAT, IO_FORMAT):
-            raise FrameError(f"frame format {fmt} not supported (this side speaks {JSON_FORMAT} and {IO_FORMAT})")
-        if length > self.max_bytes:
-            raise FrameError(f"frame of {length} bytes exceeds the {self.max_bytes}-byte limit")
-        need = HEADER.size + length
-        if need > len(self._buf):
-            grown = bytearray(need)
-            n = self._end - self._start
-            grown[:n] = self._buf[self._start:self._end]
-            self._buf, self._view = grown, memoryview(grown)
-            self._start, self._end = 0, n
-        while self._end - self._start < need:
-            self._more(at_boundary=False)
-        at = self._start + HEADER.size
-        self._start += need
-        return fmt, self._view[at:at + length]
+        r = lib.bd_stream_read(self.c, self._timeout_ms())
+        if r:
+            raise self.error(r)
+        return self.frame()
+
+    def frame(self) -> tuple[int, memoryview]:
+        """``(format, body)`` of the frame last read."""
+        c = self.c
+        at = c.at
+        return c.fmt, self._view[at:at + c.len]
+
+    def error(self, r: int) -> Exception:
+        """The exception for a negative return of the C stream."""
+        detail = self.c.detail
+        if r == -lib.BD_STREAM_CLOSED:
+            return ConnectionClosed()
+        if r == -lib.BD_STREAM_TRUNCATED:
+            return FrameError(f"connection closed in the middle of a frame ({detail} bytes)")
+        if r == -lib.BD_STREAM_BAD_MAGIC:
+            return FrameError(f"bad frame magic {detail.to_bytes(2, 'little')!r} (not a bladed peer?)")
+        if r == -lib.BD_STREAM_BAD_FORMAT:
+            return FrameError(f"frame format {detail} not supported (this side speaks {JSON_FORMAT} and "
+                              f"{IO_FORMAT})")
+        if r == -lib.BD_STREAM_TOO_LARGE:
+            return FrameError(f"frame of {detail} bytes exceeds the {self.max_bytes}-byte limit")
+        if r == -lib.BD_STREAM_TIMEOUT:
+            return TimeoutError("timed out")
+        return OSError(-r, os.strerror(-r))
 
 
 # -- request field checking ---------------------------------------------------

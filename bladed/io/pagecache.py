@@ -126,6 +126,11 @@ class PageCacheFile:
     def materialized(self) -> bool:
         return self._mm is not None
 
+    @property
+    def address(self) -> int:
+        """Where the file is mapped (0 until it is materialized)."""
+        return self._base
+
     def _materialize(self) -> None:
         with self._lock:
             if self._mm is not None:
@@ -263,20 +268,6 @@ class PageCacheFile:
             raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
 
     # -- the daemon's request lane: the caller keeps the file open and the range checked --------------------
-    def write_held(self, addr: int, file_offset: int, nbytes: int) -> None:
-        """:meth:`write_from` for a caller that keeps the file open meanwhile and checked the range (the
-        daemon's page-cache lane holds the channel lock and the KPU's in-flight count): no use count, no
-        accounting, so no lock once the file exists."""
-        if self._mm is None:
-            self._materialize()
-        self._copy_in(addr, file_offset, nbytes)
-
-    def read_held(self, addr: int, file_offset: int, nbytes: int) -> int:
-        """:meth:`read_into` on the same terms as :meth:`write_held`; returns the bytes that were resident."""
-        if self._mm is None:
-            self._materialize()
-        return round(self._copy_out(addr, file_offset, nbytes) * nbytes)
-
     def drop(self, offset: int = 0, nbytes: int | None = None) -> None:
         """Evict the range from the page cache (CachePolicy-Only's proactive eviction).
 

@@ -7,7 +7,9 @@ on different channels run in parallel threads (cffi drops the GIL inside the
 engine), so two copy threads overlap their storage I/O (overlap-intra,
 paper §IV-C).  The lock only matters when something else borrows the channel
 (a JSON ``read``/``write`` on the control connection, a live demotion, the
-session's teardown waiting for the request in flight).
+session's teardown waiting for the request in flight).  It is a C mutex
+(``bd_chan``), because the page-cache lane's C loop takes it too
+(``bladed.server.lane``); the channel's counters live beside it.
 
 Each channel's ring reads through a window (``io.read_window_bytes``,
 default :data:`READ_WINDOW_BYTES`), so that small writes of other channels
@@ -16,8 +18,9 @@ pass its bulk reads at the device.
 
 from __future__ import annotations
 
-import threading
+from typing import Any
 
+from bladed._uring import ffi, lib
 from bladed.io import Engine, StagingBuffer
 
 #: reads in flight on one channel's ring, in pieces of half of it: a one-token append on another channel waits
@@ -34,9 +37,28 @@ class Channel:
         self.engine = engine
         engine.ring.read_window = read_window
         self.slot = slot
-        self.lock = threading.Lock()
-        self.busy_ns = 0
-        self.ops = 0
+        self.chan = ffi.gc(lib.bd_chan_new(), lib.bd_chan_free)
+        if self.chan == ffi.NULL:
+            raise MemoryError("no memory for a channel")
+        self.lock = ChannelLock(self.chan)
+        #: what the lane served on this channel (Stats folds in its io counters), and both paths' ops/busy time
+        self.counters = lib.bd_chan_counters(self.chan)
+
+    @property
+    def ops(self) -> int:
+        """Ranges run on this channel."""
+        return int(self.counters.channel_ops)
+
+    @property
+    def busy_ns(self) -> int:
+        """Time spent running them."""
+        return int(self.counters.busy_ns)
+
+    def account(self, busy_ns: int, ops: int) -> None:
+        """Count ranges the general path ran (the caller holds :attr:`lock`)."""
+        c = self.counters
+        c.busy_ns += busy_ns
+        c.channel_ops += ops
 
     def close(self) -> None:
         """Close the ring and let go of the slot (the caller holds :attr:`lock`)."""
@@ -44,4 +66,33 @@ class Channel:
         self.slot.close()
 
 
-__all__ = ["Channel"]
+class ChannelLock:
+    """A channel's lock: the C mutex the page-cache lane takes around each request it serves.
+
+    ``threading.Lock``'s face (acquire, release, a context manager); waiting happens with the GIL released.
+    Released by the thread that acquired it.
+    """
+
+    __slots__ = ("_chan",)
+
+    def __init__(self, chan: Any) -> None:
+        self._chan = chan
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if blocking:
+            lib.bd_chan_lock(self._chan)
+            return True
+        return lib.bd_chan_trylock(self._chan) == 0
+
+    def release(self) -> None:
+        lib.bd_chan_unlock(self._chan)
+
+    def __enter__(self) -> bool:
+        lib.bd_chan_lock(self._chan)
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        lib.bd_chan_unlock(self._chan)
+
+
+__all__ = ["Channel", "ChannelLock"]

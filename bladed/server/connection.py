@@ -34,7 +34,6 @@ from bladed.protocol import (
     Frame,
     FrameError,
     FrameReader,
-    FrameStream,
     FrameTooLargeError,
     RequestError,
     decode_io_request,
@@ -387,34 +386,41 @@ class Connection:
 
     # -- the data path ------------------------------------------------------------------
     def _serve_data(self, sess: Session, ch: int) -> str:
-        """Serve binary I/O requests for one channel until the peer or the session goes."""
-        stream = FrameStream(self.sock)
+        """Serve binary I/O requests for one channel until the peer or the session goes: the page-cache
+        lane serves what it can in C, the rest comes back here for :meth:`Session.execute`."""
         limit = self.daemon.cfg.io.max_outstanding
-        lane = PageCacheLane(sess, sess.channel(ch), limit)
-        sock = self.sock
-        while True:
-            try:
-                fmt, body = stream.read()
-            except ConnectionClosed:
-                return "closed" if not sess.closing else "session_closed"
-            if fmt != IO_FORMAT:
-                raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
-            self.requests += 1
-            req_id = 0
-            try:
-                data = lane.serve(body)
-                if data is None:
+        lane = PageCacheLane(sess, sess.channel(ch), self.sock, limit)
+        send = lane.stream.send
+        try:
+            while True:
+                try:
+                    got = lane.next()
+                except ConnectionClosed:
+                    return "closed" if not sess.closing else "session_closed"
+                if isinstance(got, bytes):      # the lane ran it; a range failed
+                    send(got)
+                    continue
+                fmt, body = got
+                if fmt != IO_FORMAT:
+                    raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
+                self.requests += 1
+                req_id = 0
+                try:
                     req_id, ranges = decode_io_request(body)
                     data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
-            except RequestError as e:
-                if not req_id and len(body) >= IO_REQUEST.size:
-                    req_id = IO_REQUEST.unpack_from(body)[0]     # a malformed request's id, for its refusal
-                self._refuse(e.code, e.message)
-                data = encode_io_refusal(req_id, e.code, e.message)
-            except Exception as e:
-                log.exception("I/O request of pid %d on session %s channel %d failed", self.peer.pid, sess.id, ch)
-                data = encode_io_refusal(req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            sock.sendall(data)
+                except RequestError as e:
+                    if not req_id and len(body) >= IO_REQUEST.size:
+                        req_id = IO_REQUEST.unpack_from(body)[0]     # a malformed request's id, for its refusal
+                    self._refuse(e.code, e.message)
+                    data = encode_io_refusal(req_id, e.code, e.message)
+                except Exception as e:
+                    log.exception("I/O request of pid %d on session %s channel %d failed", self.peer.pid, sess.id,
+                                  ch)
+                    data = encode_io_refusal(req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+                lane.refresh()          # a KPU file that request made: the lane serves it from now on
+                send(data)
+        finally:
+            self.requests += lane.served
 
 
 __all__ = ["MAX_SESSIONS_PER_CONNECTION", "Connection", "refuse"]

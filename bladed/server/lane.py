@@ -1,133 +1,140 @@
-"""The page-cache lane: a binary I/O request whose ranges all address plain page-cache KPUs, served in one pass.
+"""The page-cache lane: a data connection's requests whose ranges all address plain page-cache KPUs, served in C.
 
 Every one-token append and most of a decode step's reads on the page-cache
-path are such requests.  :meth:`Session.execute` serves any request: it turns
-each range into an ``IORange``, checks it, binds it to an ``Access``, hands each
-store its share and records the results one by one.  On the request path that
-generality was most of the cost of a one-token round trip (docs/benchmarks.md, "The
-page-cache lane"); the lane does the same work for the common case in one
-function: the ranges checked as they are unpacked, one lock for the in-flight
-counts at each end (the fill marks ride on the second), the copies in C, the
-reply packed as it goes.
+path are such requests.  In Python each step of a round trip (framing,
+checking, counting, copying, replying) cost microseconds on an edge CPU, and
+a one-token page-cache round trip stayed at 4.4x a framed ping-pong
+(docs/benchmarks.md, "The page-cache lane").  So the loop of a data
+connection runs in C (``bd_lane_run``, ``cffi_build/bladed_lane.c``): it reads
+each frame, checks the request against the same rules as
+:meth:`Session.execute` (or stricter), takes the channel lock (a C mutex, the
+one :class:`~bladed.server.channel.Channel` hands Python), counts itself in on
+each KPU's gate (``bladed.server.gates``), copies between the slot and the
+KPUs' files, counts what it served (read by :class:`Stats` when asked) and
+sends the reply, without coming back to Python.
 
-Anything else (a request that is malformed or out of range, a KPU on the
-direct path or dropped after use (CachePolicy-Only), checksums, a pending
-demotion, a session that is closing) returns None before anything is done, and
-the connection hands the request to :meth:`Session.execute`, which serves it
-or refuses it with the exact error.
+Anything else comes back to Python untouched: a JSON frame, a request that is
+malformed or out of range, a KPU on the direct path, dropped after use, whose
+file does not exist yet, or whose gate is closed (a pending demotion, a session
+closing or retained, checksums on).  The connection serves it with
+:meth:`Session.execute`, which serves it or refuses it with the exact error,
+and then opens the gates that have become openable (a file made by that
+request).  A request the lane ran where a range failed also comes back, for
+its reply with the failure's message.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
+import os
+import socket
 from typing import TYPE_CHECKING
 
+from bladed._uring import ffi, lib
 from bladed.protocol import (
     IO_RANGE,
+    IO_REPLY,
     IO_REQUEST,
-    MIRROR,
+    IO_RESULT,
+    MAX_RANGES,
     NO_HIT,
     ErrorCode,
+    FrameStream,
     IOOp,
     RangeResult,
     encode_io_reply,
-    encode_io_served,
 )
-from bladed.residency.planner import KVPath, Plan
+from bladed.residency.planner import KVPath
+from bladed.server.metrics import LATENCY_BOUNDS_NS
+from bladed.server.stores.pagecache import range_failure
 
 if TYPE_CHECKING:
     from bladed.server.channel import Channel
     from bladed.server.session import Session
-    from bladed.server.stores.pagecache import HeldRange
 
-_WRITE = int(IOOp.WRITE)
-_READ = int(IOOp.READ)
-_PAGECACHE = KVPath.PAGECACHE
-_PATH_NAME = _PAGECACHE.value
+_PATH_NAME = KVPath.PAGECACHE.value
 
 
 class PageCacheLane:
-    """The lane of one channel of a session (made when a data connection attaches to it)."""
+    """The lane of one data connection, attached to channel ``ch`` of session ``sess``."""
 
-    def __init__(self, sess: Session, ch: Channel, limit: int) -> None:
-        g = sess.geometry
+    def __init__(self, sess: Session, ch: Channel, sock: socket.socket, limit: int) -> None:
         self.sess = sess
         self.ch = ch
-        self.limit = min(limit, 0xFFFF)
-        self.token_bytes = g.token_bytes
-        self.max_tokens = g.max_tokens
-        self.slot_bytes = sess.slot_bytes
-        self._plan: Plan | None = None
-        self._lane_tids: frozenset[int] = frozenset()
+        limit = max(1, min(limit, MAX_RANGES))
+        g = sess.geometry
+        gates = sess.live.gates
+        lane = ffi.new("struct bd_lane *")
+        self._rows = ffi.new("struct bd_lane_row[]", limit)
+        self._reply = ffi.new("uint8_t[]", 8 + IO_REPLY.size + limit * IO_RESULT.size)
+        self._scratch = ffi.new("uint64_t[]", 2 * limit)
+        lane.chan = ch.chan
+        lane.gates = gates.array
+        lane.ngates = gates.count
+        lane.token_bytes = g.token_bytes
+        lane.max_tokens = g.max_tokens
+        lane.limit = limit
+        lane.slot = ch.slot.address
+        lane.slot_bytes = sess.slot_bytes
+        lane.bounds_ns = list(LATENCY_BOUNDS_NS)
+        lane.rows = self._rows
+        lane.reply = self._reply
+        lane.scratch = self._scratch
+        self.c = lane
+        #: frames in and out: the same C stream the lane reads through
+        self.stream = FrameStream(sock, into=ffi.addressof(lane, "stream"))
+        self._candidates = {k.tensor_id for k in sess.plan.kpus if k.path is KVPath.PAGECACHE} \
+            if sess.checksums is None else set()
+        self._served_before = int(ch.counters.requests)
+        sess.stats.watch_lane(ch.counters)
+        self.refresh()
 
-    def _eligible(self) -> frozenset[int]:
-        """The tensor ids of the plan's plain page-cache KPUs (a hint, before the in-flight counts are taken:
-        a demotion replaces the plan; the KPUs are checked again under the counts)."""
-        plan = self.sess.plan
-        if plan is not self._plan:
-            self._lane_tids = frozenset(k.tensor_id for k in plan.kpus
-                                        if k.path is _PAGECACHE and not k.drop_after_use)
-            self._plan = plan
-        return self._lane_tids
+    @property
+    def served(self) -> int:
+        """Requests the lane served on this channel since this connection attached."""
+        return int(self.ch.counters.requests) - self._served_before
 
-    def serve(self, body: memoryview) -> bytes | None:
-        """The reply frame of request ``body``, or None: nothing done, take the general path."""
-        sess = self.sess
-        size = len(body)
-        if sess.checksums is not None or size < IO_REQUEST.size:
-            return None
-        req_id, n, flags = IO_REQUEST.unpack_from(body)
-        if flags or not 1 <= n <= self.limit or size != IO_REQUEST.size + n * IO_RANGE.size:
-            return None
-        tb, max_tokens, slot_bytes = self.token_bytes, self.max_tokens, self.slot_bytes
-        lane_tids = self._eligible()
-        ranges: list[HeldRange] = []
-        tids: list[int] = []
-        for op, tid, t0, nt, so in IO_RANGE.iter_unpack(body[IO_REQUEST.size:]):
-            end = t0 + nt
-            nbytes = nt * tb
-            if so == MIRROR:
-                so = t0 * tb
-            if (op != _WRITE and op != _READ) or tid not in lane_tids or nt < 1 or end > max_tokens \
-                    or so + nbytes > slot_bytes:
-                return None
-            ranges.append((op == _WRITE, tid, t0 * tb, nbytes, so, end))
-            tids.append(tid)
-        if n > 1:
-            if len(set(tids)) != n:
-                return None
-            spans = sorted((r[4], r[4] + r[3]) for r in ranges)
-            if any(s2 < e1 for (_, e1), (s2, _) in itertools.pairwise(spans)):
-                return None
-        ch = self.ch
-        with ch.lock:
-            if sess.closing:
-                return None
-            live = sess.live
-            kpus = live.begin_ready(tids)
-            if kpus is None:
-                return None
-            written: list[tuple[int, int]] = []
-            try:
-                for k in kpus:
-                    if k.path is not _PAGECACHE or k.drop_after_use:
-                        return None
-                store = sess.pagecache
-                assert store is not None
-                t0 = time.monotonic_ns()
-                rows, failed = store.run_held(ch.slot.address, ranges, written)
-                ch.busy_ns += time.monotonic_ns() - t0
-                ch.ops += n
-            finally:
-                live.end_all(tids, written)
-        sess.stats.observe_served(_PATH_NAME, [r[0] for r in ranges], rows)
-        if failed is None:
-            return encode_io_served(req_id, _PATH_NAME, rows)   # type: ignore[arg-type]
-        results = [RangeResult(path=_PATH_NAME, nbytes=r[0], service_ns=r[1],
-                               hit_bytes=None if r[2] == NO_HIT else r[2], started_ns=r[3], finished_ns=r[4])
-                   if r is not None else RangeResult(ErrorCode.IO_ERROR, failed[i]) for i, r in enumerate(rows)]
-        return encode_io_reply(req_id, results)
+    def next(self) -> tuple[int, memoryview] | bytes:
+        """Serve requests in C until one needs Python: ``(format, body)`` of a frame the lane does not serve
+        (valid until the next call), or the reply frame of a request the lane ran in which a range failed.
+
+        Raises as :meth:`FrameStream.read` does when the connection ends or breaks, OSError when a reply
+        cannot be sent."""
+        r = lib.bd_lane_run(self.c)
+        if r == 0:
+            return self.stream.frame()
+        if r == 1:
+            return self._partial_reply()
+        raise self.stream.error(r)
+
+    def refresh(self) -> None:
+        """Open the gates that can open now (after the general path made a KPU's file)."""
+        if not self._candidates:
+            return
+        with self.ch.lock:
+            left = self._candidates.difference(self.sess.live.open_lane_gates(self._candidates))
+            plan = self.sess.plan
+            # a KPU demoted or dropped after use never comes back to the plain page-cache path
+            self._candidates = {t for t in left if (k := plan.kpu(t)).path is KVPath.PAGECACHE
+                                and not k.drop_after_use}
+
+    def _partial_reply(self) -> bytes:
+        lane = self.c
+        store = self.sess.pagecache
+        results = []
+        body = self.stream.frame()[1]
+        for i in range(lane.nrows):
+            row = lane.rows[i]
+            if row.err:
+                write = body[IO_REQUEST.size + i * IO_RANGE.size] == IOOp.WRITE     # the range's op byte
+                name = store.file(row.tensor_id).name if store is not None and store.holds(row.tensor_id) \
+                    else f"tensor {row.tensor_id}"
+                results.append(RangeResult(ErrorCode.IO_ERROR,
+                                           range_failure(write, name, OSError(row.err, os.strerror(row.err)))))
+            else:
+                results.append(RangeResult(path=_PATH_NAME, nbytes=row.nbytes, service_ns=row.service_ns,
+                                           hit_bytes=None if row.hit == NO_HIT else row.hit,
+                                           started_ns=row.started_ns, finished_ns=row.finished_ns))
+        return encode_io_reply(int(lane.req_id), results)
 
 
 __all__ = ["PageCacheLane"]

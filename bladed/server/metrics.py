@@ -17,7 +17,7 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 #: latency buckets in seconds: 20 us .. 10 s, covering a 4 KiB append to a 100+ MiB KPU
 LATENCY_BUCKETS = (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
+#: the same bounds in ns, for the page-cache lane's C counters (``bd_lane_counters``)
+LATENCY_BOUNDS_NS = tuple(round(b * 1e9) for b in LATENCY_BUCKETS)
 PATHS = tuple(p.value for p in KVPath)
+_PAGECACHE = KVPath.PAGECACHE.value
 OPS = ("read", "write")
 
 
@@ -78,6 +81,8 @@ class Stats:
         self.io = {(p, o): PathCounters() for p in PATHS for o in OPS}
         self.pagecache_read_bytes = 0
         self.pagecache_hit_bytes = 0.0
+        #: the page-cache lanes' C counters of live channels (``bd_lane_counters``), added when read
+        self._lanes: set[Any] = set()
         self.trimmed_bytes = 0
         #: Write Zeroes on teardown (devices without zeroes after deallocate, or device.zero_freed = "always")
         self.zeroed_bytes = 0
@@ -126,6 +131,30 @@ class Stats:
                     self.pagecache_read_bytes += nbytes
                     self.pagecache_hit_bytes += hit
 
+    def watch_lane(self, counters: Any) -> None:
+        """Count what a channel's page-cache lane serves (its C counters, read when asked) until
+        :meth:`fold_lane`."""
+        with self._lock:
+            self._lanes.add(counters)
+
+    def fold_lane(self, counters: Any) -> None:
+        """The channel is done: what its lane served joins the totals for good."""
+        with self._lock:
+            if counters in self._lanes:
+                self._lanes.discard(counters)
+                self.pagecache_read_bytes, self.pagecache_hit_bytes = _add_lane(
+                    self.io, counters, self.pagecache_read_bytes, self.pagecache_hit_bytes)
+
+    def _totals(self) -> tuple[dict[tuple[str, str], PathCounters], int, float]:
+        """The io counters and page-cache read/hit bytes with the live lanes' added (the caller holds the lock)."""
+        if not self._lanes:
+            return self.io, self.pagecache_read_bytes, self.pagecache_hit_bytes
+        io = {k: replace(v, buckets=list(v.buckets)) for k, v in self.io.items()}
+        read, hit = self.pagecache_read_bytes, self.pagecache_hit_bytes
+        for c in self._lanes:
+            read, hit = _add_lane(io, c, read, hit)
+        return io, read, hit
+
     def add(self, name: str, value: int = 1) -> None:
         """Add to an unlabelled counter (the LABELLED ones go through :meth:`count`)."""
         if name in LABELLED:
@@ -144,16 +173,15 @@ class Stats:
     def hit_ratio(self) -> float | None:
         """Byte-weighted page-cache hit ratio of all page-cache reads so far."""
         with self._lock:
-            return self.pagecache_hit_bytes / self.pagecache_read_bytes if self.pagecache_read_bytes else None
+            _, read, hit = self._totals()
+            return hit / read if read else None
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
+            io, read, hit = self._totals()
             return {
-                "io": {p: {o: self.io[(p, o)].to_dict() for o in OPS} for p in PATHS},
-                "pagecache": {"read_bytes": self.pagecache_read_bytes,
-                              "hit_bytes": int(self.pagecache_hit_bytes),
-                              "hit_ratio": (self.pagecache_hit_bytes / self.pagecache_read_bytes
-                                            if self.pagecache_read_bytes else None)},
+                "io": {p: {o: io[(p, o)].to_dict() for o in OPS} for p in PATHS},
+                "pagecache": {"read_bytes": read, "hit_bytes": int(hit), "hit_ratio": hit / read if read else None},
                 "trimmed_bytes": self.trimmed_bytes,
                 "zeroed_bytes": self.zeroed_bytes,
                 "quarantined_bytes": self.quarantined_bytes,
@@ -177,7 +205,21 @@ class Stats:
 
     def histograms(self) -> dict[tuple[str, str], tuple[list[int], float]]:
         with self._lock:
-            return {k: (list(v.buckets), v.latency_sum_s) for k, v in self.io.items()}
+            return {k: (list(v.buckets), v.latency_sum_s) for k, v in self._totals()[0].items()}
+
+
+def _add_lane(io: dict[tuple[str, str], PathCounters], c: Any, read: int, hit: float) -> tuple[int, float]:
+    """Add a lane's C counters (index 0 read, 1 write) to ``io``; returns the page-cache read/hit bytes plus its."""
+    for i, op in enumerate(OPS):
+        pc = io[(_PAGECACHE, op)]
+        pc.ops += c.ops[i]
+        pc.bytes += c.bytes[i]
+        pc.errors += c.errors[i]
+        pc.latency_sum_s += c.latency_ns[i] / 1e9
+        row = c.buckets[i]
+        for b in range(len(pc.buckets)):
+            pc.buckets[b] += row[b]
+    return read + c.pagecache_read_bytes, hit + c.pagecache_hit_bytes
 
 
 #: the unlabelled counters of :class:`Stats`: (stat, help)

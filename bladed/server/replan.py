@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from bladed.residency.budget import BudgetBreakdown, Budgeter
 from bladed.residency.extents import RegionFullError
 from bladed.residency.planner import KPU, KVPath, Mode, Plan, replan, whole_layers
 from bladed.server.events import event
+from bladed.server.gates import KPUGates
 
 if TYPE_CHECKING:
     from bladed.server.channel import Channel
@@ -67,8 +68,11 @@ class LiveState:
         self.target: Plan | None = None           # the plan once every pending demotion is done
         self._moving: set[int] = set()
         self._inflight: dict[int, int] = {}       # tensor id -> requests in flight on it (absent: none)
-        #: tokens ``[0, filled[t])`` of tensor ``t`` were written (what a demotion copies)
+        #: tokens ``[0, filled[t])`` of tensor ``t`` were written by the general path (:meth:`filled_to`
+        #: adds the lane's)
         self.filled: dict[int, int] = {}
+        #: the page-cache lane's gates (``bladed.server.gates``)
+        self.gates = KPUGates(2 * sess.geometry.layers)
         self.demoted_kpus = 0
         self.demoted_bytes = 0
         self.failed = 0
@@ -77,6 +81,37 @@ class LiveState:
         with self._cond:
             return {"demoted_kpus": self.demoted_kpus, "demoted_bytes": self.demoted_bytes,
                     "pending_demotions": len(self.pending) + len(self._moving), "demotions_failed": self.failed}
+
+    def filled_to(self, tensor_id: int) -> int:
+        """Tokens ``[0, n)`` of the KPU written by either path.  Exact once no lane request is on it (its
+        gate drained, or every channel lock held)."""
+        return max(self.filled.get(tensor_id, 0), self.gates.filled(tensor_id))
+
+    def open_lane_gates(self, tensor_ids: Iterable[int]) -> list[int]:
+        """Open the gates of those of ``tensor_ids`` the page-cache lane may serve now; returns them.
+
+        That is: plain page-cache KPUs (not dropped after use) whose files exist, with no demotion
+        pending or under way, of a session without checksums that is not closing.  The caller holds a
+        channel lock, so :meth:`KPUGates.seal` (which holds them all) cannot be under way.
+        """
+        sess = self.sess
+        store = sess.pagecache
+        gates = self.gates
+        opened: list[int] = []
+        with self._lock:
+            if sess.closing or sess.checksums is not None or store is None or gates.sealed:
+                return opened
+            plan = sess.plan
+            for t in tensor_ids:
+                if t in self.pending or t in self._moving or gates.is_open(t):
+                    continue
+                k = plan.kpu(t)
+                if k.path is not KVPath.PAGECACHE or k.drop_after_use or not store.holds(t):
+                    continue
+                f = store.file(t)
+                if f.materialized and gates.open(t, f.fd, f.address, f.nbytes):
+                    opened.append(t)
+        return opened
 
     # -- recording ----------------------------------------------------------------------
     def schedule(self, grant: int) -> tuple[KPU, ...]:
@@ -89,6 +124,7 @@ class LiveState:
             self.target = r.new
             for k in r.demoted:
                 self.pending[k.tensor_id] = k
+                self.gates.close(k.tensor_id)    # the lane's requests on it go where the demotion is carried out
             return r.demoted
 
     # -- the operation boundary ----------------------------------------------------------
@@ -154,6 +190,7 @@ class LiveState:
             self._moving.add(tensor_id)
             while tensor_id in self._inflight:
                 self._cond.wait()
+        self.gates.drain(tensor_id)      # and the page-cache lane's (closed when it was scheduled)
         try:
             if self.replanner is not None and not self.sess.closing:
                 self.replanner.carry_out(self.sess, new, channel)
@@ -285,7 +322,7 @@ class LiveReplanner:
         try:
             pagecache, extent_store = sess.stores()
             if sess.plan.mode is Mode.DUALBLADE:
-                filled = live.filled.get(tid, 0) * sess.geometry.token_bytes
+                filled = live.filled_to(tid) * sess.geometry.token_bytes
                 nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel,
                                             lambda need: self.manager.room(sess, need))
                 # drops its clean pages; dirty ones go with the inode, never written back

@@ -232,8 +232,7 @@ class Session:
                 raise RequestError(ErrorCode.NO_SUCH_SESSION, f"session {self.id} is closing")
             t0 = time.monotonic_ns()
             results = self._run(ch, checked)
-            ch.busy_ns += time.monotonic_ns() - t0
-            ch.ops += len(results)
+            ch.account(time.monotonic_ns() - t0, len(results))
         return results
 
     def transfer(self, ch: Channel, ranges: Sequence[IORange]) -> list[RangeResult]:
@@ -246,8 +245,8 @@ class Session:
 
     def filled_tokens(self) -> int:
         """Tokens ``[0, n)`` written in every KPU (what ``retain`` may keep)."""
-        filled = self.live.filled
-        return min(filled.get(t, 0) for t in range(2 * self.geometry.layers))
+        live = self.live
+        return min(live.filled_to(t) for t in range(2 * self.geometry.layers))
 
     def _run(self, ch: Channel, checked: list[tuple[IORange, int, int, int]]) -> list[RangeResult]:
         pagecache, extent_store = self.stores()
@@ -545,6 +544,7 @@ class SessionManager:
         for c in sess.channels:
             c.lock.acquire()   # the request in flight on it (if any) completes first
         try:
+            sess.live.gates.seal()
             trimmed = self._release(sess, trim=True)
         finally:
             for c in sess.channels:
@@ -581,6 +581,7 @@ class SessionManager:
                 self.stats.add("zeroed_bytes", zeroed)
         sess.files_removed = sess.pagecache.close() if sess.pagecache is not None else 0
         for c in sess.channels:
+            self.stats.fold_lane(c.counters)
             c.close()
         if sess.mapping is not None:
             try:
@@ -619,6 +620,8 @@ class SessionManager:
                 if close:
                     self.ledger.admit(sess.id, sess.plan)
                 raise
+            if close:
+                sess.live.gates.seal()     # the entry has its bytes: the lane serves none of them again
         finally:
             for c in locked:
                 c.lock.release()

@@ -18,14 +18,11 @@ from typing import ClassVar
 
 from bladed.io import BladedIOError
 from bladed.io.pagecache import PageCacheFile, PageCacheStore
-from bladed.protocol import NO_HIT, ErrorCode, ServedRow
+from bladed.protocol import ErrorCode
 from bladed.residency.planner import KPU, KVPath
 from bladed.server.stores.base import Access, ChannelIO, KPUStore
 
 log = logging.getLogger("bladed.session")
-
-#: a range the page-cache lane checked: (write, tensor id, KPU byte offset, bytes, slot offset, end token)
-HeldRange = tuple[bool, int, int, int, int, int]
 
 #: prefix of a session's page-cache directory (start-up removes what a crashed instance left)
 SESSION_DIR_PREFIX = "session-"
@@ -80,40 +77,10 @@ class PageCacheKPUStore(KPUStore):
                     # CachePolicy-Only (Table III): Group 2 is evicted right after use
                     f.drop()
             except (OSError, BladedIOError) as e:
-                a.fail(ErrorCode.IO_ERROR, _failure(a.write, a.kpu.name, e))
+                a.fail(ErrorCode.IO_ERROR, range_failure(a.write, a.kpu.name, e))
                 continue
             a.served(KVPath.PAGECACHE, t0, hit)
         del keep
-
-    def run_held(self, slot: int, ranges: list[HeldRange],
-                 written: list[tuple[int, int]]) -> tuple[list[ServedRow | None], dict[int, str] | None]:
-        """:meth:`run` for the page-cache lane (``bladed.server.lane``), which holds the channel lock and the
-        KPUs' in-flight counts, so the files stay open without a use count: copy each checked range between
-        the slot at address ``slot`` and its KPU's file.  Returns one row per range (None where it failed) and
-        the failed ones' messages by index; appends each successful write's fill mark to ``written``."""
-        files = self._files
-        mono = time.monotonic_ns
-        rows: list[ServedRow | None] = []
-        failed: dict[int, str] | None = None
-        for i, (write, tid, off, nbytes, so, end) in enumerate(ranges):
-            f = files[tid]
-            t0 = mono()
-            try:
-                if write:
-                    f.write_held(slot + so, off, nbytes)
-                    hit = NO_HIT
-                else:
-                    hit = f.read_held(slot + so, off, nbytes)
-            except (OSError, BladedIOError) as e:
-                failed = failed or {}
-                failed[i] = _failure(write, f.name, e)
-                rows.append(None)
-                continue
-            t1 = mono()
-            rows.append((nbytes, t1 - t0, hit, t0, t1))
-            if write:
-                written.append((tid, end))
-        return rows, failed
 
     def file_paths(self) -> list[str]:
         """The path of every KPU's file."""
@@ -164,7 +131,7 @@ class PageCacheKPUStore(KPUStore):
                 "bytes": sum(self._kpus[t].pagecache_bytes for t in self._files)}
 
 
-def _failure(write: bool, name: str, e: Exception) -> str:
+def range_failure(write: bool, name: str, e: Exception) -> str:
     """The message of a page-cache range that failed."""
     return f"page-cache {'write' if write else 'read'} of {name}: {e}"
 
@@ -186,4 +153,4 @@ def sweep_pagecache(root: str, keep: Iterable[str] = ()) -> int:
     return n
 
 
-__all__ = ["RETAINED_DIR_PREFIX", "SESSION_DIR_PREFIX", "PageCacheKPUStore", "sweep_pagecache"]
+__all__ = ["RETAINED_DIR_PREFIX", "SESSION_DIR_PREFIX", "PageCacheKPUStore", "range_failure", "sweep_pagecache"]

@@ -1,0 +1,436 @@
+/*
+ * bladed_lane.c - frames, channel locks, KPU gates and the page-cache lane.
+ *
+ * The wire layouts are bladed.protocol's (HEADER, IO_REQUEST, IO_RANGE,
+ * IO_REPLY, IO_RESULT); tests/test_lane.py holds the two sides together.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bladed_lane.h"
+#include "bladed_uring.h"
+
+#define FRAME_HEADER 8u           /* "BD", format, flags, u32 length */
+#define IO_FORMAT 2u
+#define JSON_FORMAT 1u
+#define IO_REQUEST_SIZE 12u       /* u64 id, u16 ranges, u16 flags */
+#define IO_RANGE_SIZE 24u         /* u8 op, 3 pad, u32 tensor, u32 first token, u32 tokens, u64 slot offset */
+#define IO_REPLY_SIZE 12u         /* u64 id, u8 status, pad, u16 ranges */
+#define IO_RESULT_SIZE 48u        /* u8 status, u8 path, 6 pad, 5 x u64 */
+#define OP_WRITE 1u
+#define OP_READ 2u
+#define PATH_PAGECACHE 1u
+#define MIRROR UINT64_MAX
+#define NO_HIT UINT64_MAX
+#define PAGE 4096u
+
+_Static_assert(sizeof(((struct bd_lane_counters *)0)->buckets[0]) / sizeof(uint64_t) == BD_LANE_BOUNDS + 1,
+               "one bucket per bound and one past the last");
+
+static uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint16_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static void st64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void st16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* -- frames ------------------------------------------------------------------------------ */
+static int stream_more(struct bd_stream *s, int timeout_ms, int at_boundary)
+{
+    if (s->end == s->cap) {       /* make room: what is left of the current frame to the front */
+        memmove(s->buf, s->buf + s->start, s->end - s->start);
+        s->end -= s->start;
+        s->start = 0;
+    }
+    for (;;) {
+        ssize_t n = recv(s->fd, s->buf + s->end, s->cap - s->end, 0);
+        if (n > 0) {
+            s->end += (uint32_t)n;
+            return 0;
+        }
+        if (n == 0) {
+            if (at_boundary && s->start == s->end)
+                return -BD_STREAM_CLOSED;
+            s->detail = s->end - s->start;
+            return -BD_STREAM_TRUNCATED;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -errno;
+        struct pollfd p = {.fd = s->fd, .events = POLLIN};
+        int r = poll(&p, 1, timeout_ms);
+        if (r == 0)
+            return -BD_STREAM_TIMEOUT;
+        if (r < 0 && errno != EINTR)
+            return -errno;
+    }
+}
+
+int bd_stream_read(struct bd_stream *s, int timeout_ms)
+{
+    int r;
+    if (s->start == s->end)
+        s->start = s->end = 0;
+    while (s->end - s->start < FRAME_HEADER)
+        if ((r = stream_more(s, timeout_ms, 1)) < 0)
+            return r;
+    const uint8_t *h = s->buf + s->start;
+    if (h[0] != 'B' || h[1] != 'D') {
+        s->detail = (uint64_t)h[0] | (uint64_t)h[1] << 8;
+        return -BD_STREAM_BAD_MAGIC;
+    }
+    if (h[2] != JSON_FORMAT && h[2] != IO_FORMAT) {
+        s->detail = h[2];
+        return -BD_STREAM_BAD_FORMAT;
+    }
+    uint32_t len = ld32(h + 4);
+    if (len > s->max_bytes || len > s->cap - FRAME_HEADER) {
+        s->detail = len;
+        return -BD_STREAM_TOO_LARGE;
+    }
+    uint32_t fmt = h[2];
+    if (s->cap - s->start < FRAME_HEADER + len) {
+        memmove(s->buf, s->buf + s->start, s->end - s->start);
+        s->end -= s->start;
+        s->start = 0;
+    }
+    while (s->end - s->start < FRAME_HEADER + len)
+        if ((r = stream_more(s, timeout_ms, 0)) < 0)
+            return r;
+    s->fmt = fmt;
+    s->at = s->start + FRAME_HEADER;
+    s->len = len;
+    s->start += FRAME_HEADER + len;
+    return 0;
+}
+
+int bd_send_all(int fd, const void *buf, uint64_t len)
+{
+    const uint8_t *p = buf;
+    while (len) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {   /* a socket with a timeout: wait for room */
+                struct pollfd q = {.fd = fd, .events = POLLOUT};
+                if (poll(&q, 1, -1) < 0 && errno != EINTR)
+                    return -errno;
+                continue;
+            }
+            return -errno;
+        }
+        p += n;
+        len -= (uint64_t)n;
+    }
+    return 0;
+}
+
+/* -- channels ------------------------------------------------------------------------------- */
+struct bd_chan {
+    pthread_mutex_t mu;
+    struct bd_lane_counters counters;
+};
+
+struct bd_chan *bd_chan_new(void)
+{
+    struct bd_chan *c = calloc(1, sizeof(*c));
+    if (c != NULL)
+        pthread_mutex_init(&c->mu, NULL);
+    return c;
+}
+
+void bd_chan_free(struct bd_chan *c)
+{
+    if (c != NULL) {
+        pthread_mutex_destroy(&c->mu);
+        free(c);
+    }
+}
+
+void bd_chan_lock(struct bd_chan *c) { pthread_mutex_lock(&c->mu); }
+int bd_chan_trylock(struct bd_chan *c) { return pthread_mutex_trylock(&c->mu) == 0 ? 0 : -EBUSY; }
+void bd_chan_unlock(struct bd_chan *c) { pthread_mutex_unlock(&c->mu); }
+struct bd_lane_counters *bd_chan_counters(struct bd_chan *c) { return &c->counters; }
+
+/* -- gates ---------------------------------------------------------------------------------- */
+static void futex_wait(uint32_t *word, uint32_t seen)
+{
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+}
+
+static void futex_wake_all(uint32_t *word)
+{
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+int bd_gate_open(struct bd_kpu_gate *g, int fd, uint64_t base, uint64_t nbytes)
+{
+    if (__atomic_load_n(&g->word, __ATOMIC_ACQUIRE) != BD_GATE_CLOSED)
+        return -EBUSY;
+    g->fd = fd;
+    g->base = base;
+    g->nbytes = nbytes;
+    uint32_t closed = BD_GATE_CLOSED;
+    return __atomic_compare_exchange_n(&g->word, &closed, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED) ? 0 : -EBUSY;
+}
+
+void bd_gate_close(struct bd_kpu_gate *g)
+{
+    __atomic_fetch_or(&g->word, BD_GATE_CLOSED, __ATOMIC_ACQ_REL);
+}
+
+void bd_gate_drain(struct bd_kpu_gate *g)
+{
+    uint32_t v = __atomic_or_fetch(&g->word, BD_GATE_CLOSED, __ATOMIC_ACQ_REL);
+    while (v != BD_GATE_CLOSED) {
+        futex_wait(&g->word, v);
+        v = __atomic_load_n(&g->word, __ATOMIC_ACQUIRE);
+    }
+}
+
+static int gate_enter(struct bd_kpu_gate *g)
+{
+    uint32_t v = __atomic_load_n(&g->word, __ATOMIC_ACQUIRE);
+    do {
+        if (v & BD_GATE_CLOSED)
+            return 0;
+    } while (!__atomic_compare_exchange_n(&g->word, &v, v + 1, 1, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE));
+    return 1;
+}
+
+static void gate_leave(struct bd_kpu_gate *g)
+{
+    if (__atomic_sub_fetch(&g->word, 1, __ATOMIC_RELEASE) == BD_GATE_CLOSED)
+        futex_wake_all(&g->word);     /* the last one out of a closed gate: a drain waits */
+}
+
+/* -- the lane ------------------------------------------------------------------------------- */
+static int by_value(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The fraction of [off, off + n) resident, measured before the copy, as bytes (cachestat, else mincore). */
+static uint64_t resident_bytes(const struct bd_kpu_gate *g, uint64_t off, uint64_t n)
+{
+    uint64_t first = off / PAGE, pages = (off + n + PAGE - 1) / PAGE - first, cs[5], cached;
+    if (pages == 0)
+        return n;
+    if (bd_cachestat(g->fd, off, n, cs) == 0) {
+        cached = cs[0] < pages ? cs[0] : pages;
+    } else {
+        unsigned char vec[256];
+        cached = 0;
+        for (uint64_t p = 0; p < pages;) {
+            uint64_t k = pages - p < sizeof(vec) ? pages - p : sizeof(vec);
+            if (mincore((void *)(uintptr_t)(g->base + (first + p) * PAGE), k * PAGE, vec) != 0)
+                return 0;
+            for (uint64_t i = 0; i < k; i++)
+                cached += vec[i] & 1;
+            p += k;
+        }
+    }
+    if (cached < pages) {         /* start reading the whole range now rather than fault by fault */
+        uint64_t start = first * PAGE;
+        madvise((void *)(uintptr_t)(g->base + start), off + n - start, MADV_WILLNEED);
+    }
+    return (uint64_t)((double)cached / (double)pages * (double)n + 0.5);
+}
+
+static void observe(struct bd_lane_counters *c, const uint64_t *bounds, int write, uint64_t nbytes, uint64_t ns)
+{
+    unsigned b = 0;
+    while (b < BD_LANE_BOUNDS && bounds[b] < ns)
+        b++;
+    c->ops[write]++;
+    c->bytes[write] += nbytes;
+    c->latency_ns[write] += ns;
+    c->buckets[write][b]++;
+}
+
+/* Check a request against the lane's rules; 1 if the lane serves it (the same rules as
+ * Session._check, or stricter: anything else goes to Python, which refuses it exactly). */
+static int lane_checks(struct bd_lane *l, const uint8_t *body, uint32_t size, uint32_t *n_out)
+{
+    if (size < IO_REQUEST_SIZE)
+        return 0;
+    uint32_t n = ld16(body + 8), flags = ld16(body + 10);
+    if (flags || n < 1 || n > l->limit || size != IO_REQUEST_SIZE + n * IO_RANGE_SIZE)
+        return 0;
+    const uint64_t tb = l->token_bytes;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
+        uint32_t op = r[0], tid = ld32(r + 4);
+        uint64_t t0 = ld32(r + 8), nt = ld32(r + 12), so = ld64(r + 16);
+        if ((op != OP_WRITE && op != OP_READ) || tid >= l->ngates || nt < 1 || t0 + nt > l->max_tokens)
+            return 0;
+        if (so == MIRROR)
+            so = t0 * tb;
+        if (so > l->slot_bytes || nt * tb > l->slot_bytes - so)
+            return 0;
+        l->scratch[i] = so << 20 | i;             /* slot spans in order (slot_bytes < 2^44) */
+        l->scratch[l->limit + i] = tid;
+    }
+    if (n > 1) {                  /* distinct KPUs, slot spans apart */
+        qsort(l->scratch + l->limit, n, sizeof(uint64_t), by_value);
+        for (uint32_t i = 1; i < n; i++)
+            if (l->scratch[l->limit + i] == l->scratch[l->limit + i - 1])
+                return 0;
+        qsort(l->scratch, n, sizeof(uint64_t), by_value);
+        uint64_t prev_end = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            const uint8_t *r = body + IO_REQUEST_SIZE + (l->scratch[i] & 0xfffff) * IO_RANGE_SIZE;
+            uint64_t so = l->scratch[i] >> 20;
+            if (i && so < prev_end)
+                return 0;
+            prev_end = so + (uint64_t)ld32(r + 12) * tb;
+        }
+    }
+    *n_out = n;
+    return 1;
+}
+
+/* Run a checked request under the channel lock; -1 if a gate was closed (nothing done), else the
+ * number of ranges that failed. */
+static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
+{
+    struct bd_lane_counters *c = &l->chan->counters;
+    const uint64_t tb = l->token_bytes;
+    uint32_t i, failed = 0;
+    for (i = 0; i < n; i++)
+        if (!gate_enter(&l->gates[ld32(body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE + 4)]))
+            break;
+    if (i < n) {
+        while (i--)
+            gate_leave(&l->gates[ld32(body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE + 4)]);
+        return -1;
+    }
+    uint64_t busy0 = now_ns();
+    for (i = 0; i < n; i++) {
+        const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
+        uint32_t tid = ld32(r + 4);
+        uint64_t t0 = ld32(r + 8), nt = ld32(r + 12), so = ld64(r + 16);
+        struct bd_kpu_gate *g = &l->gates[tid];
+        struct bd_lane_row *row = &l->rows[i];
+        int write = r[0] == OP_WRITE;
+        uint64_t off = t0 * tb, nbytes = nt * tb;
+        if (so == MIRROR)
+            so = off;
+        row->tensor_id = tid;
+        row->err = 0;
+        if (off + nbytes > g->nbytes) {           /* the plan's KPU is smaller than max_tokens rows */
+            row->err = ERANGE;
+        } else {
+            uint64_t start = now_ns();
+            if (write) {
+                int64_t done = bd_pwrite_full(g->fd, l->slot + so, nbytes, off);
+                row->hit = NO_HIT;
+                if (done < 0)
+                    row->err = (int32_t)-done;
+            } else {
+                row->hit = resident_bytes(g, off, nbytes);
+                memcpy((void *)(uintptr_t)(l->slot + so), (const void *)(uintptr_t)(g->base + off), nbytes);
+            }
+            row->finished_ns = now_ns();
+            row->started_ns = start;
+            row->service_ns = row->finished_ns - start;
+            row->nbytes = nbytes;
+        }
+        if (row->err) {
+            c->errors[write]++;
+            failed++;
+            continue;
+        }
+        observe(c, l->bounds_ns, write, nbytes, row->service_ns);
+        if (write) {
+            uint32_t end = (uint32_t)(t0 + nt), f = __atomic_load_n(&g->filled, __ATOMIC_RELAXED);
+            while (end > f && !__atomic_compare_exchange_n(&g->filled, &f, end, 1, __ATOMIC_RELAXED,
+                                                           __ATOMIC_RELAXED))
+                ;
+        } else {
+            c->pagecache_read_bytes += nbytes;
+            c->pagecache_hit_bytes += row->hit;
+        }
+    }
+    c->busy_ns += now_ns() - busy0;
+    c->channel_ops += n;
+    for (i = 0; i < n; i++)
+        gate_leave(&l->gates[l->rows[i].tensor_id]);
+    return (int)failed;
+}
+
+static uint32_t pack_reply(struct bd_lane *l, uint32_t n)
+{
+    uint8_t *p = l->reply;
+    uint32_t len = IO_REPLY_SIZE + n * IO_RESULT_SIZE;
+    p[0] = 'B';
+    p[1] = 'D';
+    p[2] = IO_FORMAT;
+    p[3] = 0;
+    st32(p + 4, len);
+    p += FRAME_HEADER;
+    st64(p, l->req_id);
+    p[8] = 0;
+    p[9] = 0;
+    st16(p + 10, (uint16_t)n);
+    p += IO_REPLY_SIZE;
+    for (uint32_t i = 0; i < n; i++, p += IO_RESULT_SIZE) {
+        const struct bd_lane_row *row = &l->rows[i];
+        memset(p, 0, 8);
+        p[1] = PATH_PAGECACHE;
+        st64(p + 8, row->nbytes);
+        st64(p + 16, row->service_ns);
+        st64(p + 24, row->hit);
+        st64(p + 32, row->started_ns);
+        st64(p + 40, row->finished_ns);
+    }
+    return FRAME_HEADER + len;
+}
+
+int bd_lane_run(struct bd_lane *l)
+{
+    struct bd_stream *s = &l->stream;
+    for (;;) {
+        int r = bd_stream_read(s, -1);
+        if (r < 0)
+            return r;
+        const uint8_t *body = s->buf + s->at;
+        uint32_t n;
+        if (s->fmt != IO_FORMAT || !lane_checks(l, body, s->len, &n))
+            return 0;
+        bd_chan_lock(l->chan);
+        int failed = lane_run_ranges(l, body, n);
+        if (failed >= 0)
+            l->chan->counters.requests++;
+        bd_chan_unlock(l->chan);
+        if (failed < 0)
+            return 0;             /* a gate is closed: Python carries out what closed it */
+        l->req_id = ld64(body);
+        l->nrows = n;
+        if (failed > 0)
+            return 1;
+        if ((r = bd_send_all(s->fd, l->reply, pack_reply(l, n))) < 0)
+            return r;
+    }
+}
