@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
@@ -53,6 +54,12 @@ static uint64_t now_ns(void)
 }
 
 /* -- frames ------------------------------------------------------------------------------ */
+static int nonblocking(int fd)
+{
+    int flags = fcntl(fd, F_GETFL);
+    return flags >= 0 && (flags & O_NONBLOCK);
+}
+
 static int stream_more(struct bd_stream *s, int timeout_ms, int at_boundary)
 {
     if (s->end == s->cap) {       /* make room: what is left of the current frame to the front */
@@ -76,6 +83,8 @@ static int stream_more(struct bd_stream *s, int timeout_ms, int at_boundary)
             continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK)
             return -errno;
+        if (!nonblocking(s->fd))
+            return -BD_STREAM_TIMEOUT;    /* a blocking socket's SO_RCVTIMEO ran out */
         struct pollfd p = {.fd = s->fd, .events = POLLIN};
         int r = poll(&p, 1, timeout_ms);
         if (r == 0)
@@ -131,7 +140,9 @@ int bd_send_all(int fd, const void *buf, uint64_t len)
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {   /* a socket with a timeout: wait for room */
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && nonblocking(fd)) {
+                /* a Python socket with a timeout is non-blocking underneath: wait for room (a blocking
+                 * socket's EAGAIN is its SO_SNDTIMEO running out: the daemon's io.send_timeout_s) */
                 struct pollfd q = {.fd = fd, .events = POLLOUT};
                 if (poll(&q, 1, -1) < 0 && errno != EINTR)
                     return -errno;

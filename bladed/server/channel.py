@@ -18,8 +18,10 @@ pass its bulk reads at the device.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
+from bladed import _uring
 from bladed._uring import ffi, lib
 from bladed.io import Engine, StagingBuffer
 
@@ -66,6 +68,18 @@ class Channel:
         self.slot.close()
 
 
+# cffi lets go of the GIL around every call, and a thread that lets go of it waits to get it back behind any
+# other thread that wanted it meanwhile.  Taking a free mutex and letting go of one takes nanoseconds, so those
+# two calls go through ctypes.PyDLL, which keeps the GIL; only a wait for a held channel lets go of it.
+_KEEP_GIL = ctypes.PyDLL(_uring.__file__)
+_trylock = _KEEP_GIL.bd_chan_trylock
+_trylock.argtypes = [ctypes.c_void_p]
+_trylock.restype = ctypes.c_int
+_unlock = _KEEP_GIL.bd_chan_unlock
+_unlock.argtypes = [ctypes.c_void_p]
+_unlock.restype = None
+
+
 class ChannelLock:
     """A channel's lock: the C mutex the page-cache lane takes around each request it serves.
 
@@ -73,26 +87,28 @@ class ChannelLock:
     Released by the thread that acquired it.
     """
 
-    __slots__ = ("_chan",)
+    __slots__ = ("_address", "_chan")
 
     def __init__(self, chan: Any) -> None:
         self._chan = chan
+        self._address = int(ffi.cast("uintptr_t", chan))
 
     def acquire(self, blocking: bool = True) -> bool:
+        if _trylock(self._address) == 0:
+            return True
         if blocking:
             lib.bd_chan_lock(self._chan)
             return True
-        return lib.bd_chan_trylock(self._chan) == 0
+        return False
 
     def release(self) -> None:
-        lib.bd_chan_unlock(self._chan)
+        _unlock(self._address)
 
     def __enter__(self) -> bool:
-        lib.bd_chan_lock(self._chan)
-        return True
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        lib.bd_chan_unlock(self._chan)
+        _unlock(self._address)
 
 
 __all__ = ["Channel", "ChannelLock"]
