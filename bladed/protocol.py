@@ -497,8 +497,8 @@ class FrameStream:
         self.max_bytes = max_bytes
         self._mem = ffi.new("uint8_t[]", HEADER.size + max_bytes)
         self._view = memoryview(ffi.buffer(self._mem))
+        # the buffer holds the largest frame: a pipelined request never waits for it to grow
         self.c = into if into is not None else ffi.new("struct bd_stream *")
-        self._keep = into
         c = self.c
         c.fd = sock.fileno()
         c.max_bytes = max_bytes

@@ -329,9 +329,17 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
     struct bd_lane_counters *c = &l->chan->counters;
     const uint64_t tb = l->token_bytes;
     uint32_t i, failed = 0;
-    for (i = 0; i < n; i++)
-        if (!gate_enter(&l->gates[ld32(body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE + 4)]))
+    for (i = 0; i < n; i++) {
+        /* counted in on an open gate, and inside its KPU's file (else the general path says why not) */
+        const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
+        struct bd_kpu_gate *g = &l->gates[ld32(r + 4)];
+        if (!gate_enter(g))
             break;
+        if (((uint64_t)ld32(r + 8) + ld32(r + 12)) * tb > g->nbytes) {
+            gate_leave(g);
+            break;
+        }
+    }
     if (i < n) {
         while (i--)
             gate_leave(&l->gates[ld32(body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE + 4)]);
@@ -350,24 +358,19 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
             so = off;
         row->tensor_id = tid;
         row->err = 0;
-        if (off + nbytes > g->nbytes) {           /* the plan's KPU is smaller than max_tokens rows */
-            row->err = ERANGE;
+        row->started_ns = now_ns();
+        if (write) {
+            int64_t done = bd_pwrite_full(g->fd, l->slot + so, nbytes, off);
+            row->hit = NO_HIT;
+            if (done < 0)
+                row->err = (int32_t)-done;
         } else {
-            uint64_t start = now_ns();
-            if (write) {
-                int64_t done = bd_pwrite_full(g->fd, l->slot + so, nbytes, off);
-                row->hit = NO_HIT;
-                if (done < 0)
-                    row->err = (int32_t)-done;
-            } else {
-                row->hit = resident_bytes(g, off, nbytes);
-                memcpy((void *)(uintptr_t)(l->slot + so), (const void *)(uintptr_t)(g->base + off), nbytes);
-            }
-            row->finished_ns = now_ns();
-            row->started_ns = start;
-            row->service_ns = row->finished_ns - start;
-            row->nbytes = nbytes;
+            row->hit = resident_bytes(g, off, nbytes);
+            memcpy((void *)(uintptr_t)(l->slot + so), (const void *)(uintptr_t)(g->base + off), nbytes);
         }
+        row->finished_ns = now_ns();
+        row->service_ns = row->finished_ns - row->started_ns;
+        row->nbytes = nbytes;
         if (row->err) {
             c->errors[write]++;
             failed++;

@@ -263,7 +263,8 @@ def test_refused_opens_leave_nothing_half_allocated(tmp: str) -> None:
 # -- I/O errors ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def small_fs(kind: str, size: str, where: str) -> Iterator[str]:
-    """A small tmpfs, or an ext4 image on a loop device, mounted at ``where``."""
+    """A small tmpfs, or an ext4 or ext2 image on a loop device, mounted at ``where`` (ext2 has no
+    ``fallocate``: files there are sparse)."""
     if os.geteuid() != 0:
         pytest.fail("I/O error injection needs root (mount, losetup), as CI runs")
     os.makedirs(where, exist_ok=True)
@@ -273,7 +274,8 @@ def small_fs(kind: str, size: str, where: str) -> Iterator[str]:
         img = where + ".img"
         with open(img, "wb") as f:
             f.truncate(int(size.rstrip("M")) << 20)
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", img], check=True)
+        subprocess.run(["mkfs.ext2", "-q", "-F", img] if kind == "ext2" else
+                       ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", img], check=True)
         subprocess.run(["mount", "-o", "loop", img, where], check=True)
     try:
         yield where
@@ -291,13 +293,12 @@ def loop_over(backing: str) -> Iterator[str]:
         subprocess.run(["losetup", "-d", dev], check=False)
 
 
-def fill(path: str) -> None:
-    """Write a file until the filesystem is full."""
-    with open(path, "wb") as f, contextlib.suppress(OSError):
-        chunk = b"\xee" * (1 << 20)
+def fill(path: str, chunk_bytes: int = 1 << 20) -> None:
+    """Write a file until the filesystem is full (to within one chunk)."""
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        chunk = b"\xee" * chunk_bytes
         while True:
             f.write(chunk)
-            f.flush()
 
 
 def io_error_scenario(d: DaemonProcess, geo: dict, filler: str) -> str:
@@ -368,24 +369,34 @@ def test_io_errors_on_a_file_store_on_a_full_filesystem(tmp: str) -> None:
 
 
 @pytest.mark.root
-def test_a_page_cache_range_that_fails_fails_alone_and_the_batch_completes(tmp: str) -> None:
-    """A batch of page-cache writes on a full filesystem: the KPU whose file cannot be made fails, naming its
-    KPU and the cause; the other range is stored, and the failure is counted."""
+@pytest.mark.parametrize(("fs_kind", "fs_size", "bad_layer"), [("tmpfs", "2M", 1), ("ext2", "8M", 0)],
+                         ids=["general-path", "lane"])
+def test_a_page_cache_range_that_fails_fails_alone_and_the_batch_completes(tmp: str, fs_kind: str, fs_size: str,
+                                                                          bad_layer: int) -> None:
+    """A batch of page-cache writes on a full filesystem: the failing range fails alone, naming its KPU and the
+    cause; the other range is stored, and the failure is counted.  ``general-path``: layer 1 V's file cannot be
+    made.  ``lane``: both files exist, so the C loop serves the batch; ext2 has no ``fallocate``, so layer 0 V's
+    file is sparse and a write into its hole fails while a rewrite of stored rows succeeds."""
     geo = dict(GEOMETRIES[0], max_tokens=64)             # 256 KiB KPUs, 4 KiB rows
     kpu, tb = 64 * 4096, 4096
-    with small_fs("tmpfs", "2M", os.path.join(tmp, "fs")) as fs:
+    with small_fs(fs_kind, fs_size, os.path.join(tmp, "fs")) as fs:
         cfg = {"pagecache": {"directory": fs}, "budget": {"override": 64 << 20}}
         with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c, \
                 c.open_session(geo, mode="baseline", channels=1, slot_bytes=2 * kpu) as s:
             s.slot(0)[:kpu] = b"\x42" * kpu
-            s.write(0, "k", 0)                       # layer 0 K's file exists before the filesystem fills
-            fill(os.path.join(fs, "filler"))
+            s.write(0, "k", 0)                       # layer 0 K's file exists, every row stored
+            if bad_layer == 0:
+                s.write(0, "v", 0, 0, 1)             # layer 0 V's file exists; token 7 is a hole
+            for size in (1 << 20, 4096, 1024):       # every last block (1 MiB writes leave up to 1 MiB)
+                fill(os.path.join(fs, f"filler-{size}"), size)
+                os.sync()
             s.slot(0)[:2 * tb] = os.urandom(2 * tb)
             ok, bad = s.submit(0, [s.range("write", 0, "k", 7, 1, slot_offset=0),
-                                   s.range("write", 1, "v", 7, 1, slot_offset=tb)], check=False)
+                                   s.range("write", bad_layer, "v", 7, 1, slot_offset=tb)], check=False)
             assert ok.error is None and ok.path == "pagecache" and ok.nbytes == tb
             assert isinstance(bad.error, RemoteIOError), bad
-            assert "page-cache write" in str(bad.error) and "No space" in str(bad.error), str(bad.error)
+            assert f"page-cache write of v{bad_layer}" in str(bad.error) and "No space" in str(bad.error), \
+                str(bad.error)
             want = bytes(s.slot(0)[:tb])
             s.read(0, "k", 0, 7, 1)
             assert bytes(s.slot(0)[7 * tb:8 * tb]) == want

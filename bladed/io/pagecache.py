@@ -265,9 +265,13 @@ class PageCacheFile:
         # 272-528 MiB (docs/benchmarks.md, "Prefill below the full-fit limit")
         ret = lib.bd_pwrite_full(self.fd, addr, nbytes, file_offset)
         if ret < 0:
-            raise errno_error(-ret, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
+            raise self.write_error(-ret, file_offset, nbytes)
 
-    # -- the daemon's request lane: the caller keeps the file open and the range checked --------------------
+    def write_error(self, err: int, file_offset: int, nbytes: int) -> BladedIOError:
+        """The error of a write of ``[file_offset, file_offset + nbytes)`` that failed with errno ``err`` (here
+        or in the daemon's page-cache lane, which writes in C)."""
+        return errno_error(err, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
+
     def drop(self, offset: int = 0, nbytes: int | None = None) -> None:
         """Evict the range from the page cache (CachePolicy-Only's proactive eviction).
 

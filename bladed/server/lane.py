@@ -25,7 +25,6 @@ its reply with the failure's message.
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import TYPE_CHECKING
 
@@ -120,16 +119,18 @@ class PageCacheLane:
     def _partial_reply(self) -> bytes:
         lane = self.c
         store = self.sess.pagecache
-        results = []
+        assert store is not None
+        tb = lane.token_bytes
         body = self.stream.frame()[1]
+        results = []
         for i in range(lane.nrows):
             row = lane.rows[i]
             if row.err:
-                write = body[IO_REQUEST.size + i * IO_RANGE.size] == IOOp.WRITE     # the range's op byte
-                name = store.file(row.tensor_id).name if store is not None and store.holds(row.tensor_id) \
-                    else f"tensor {row.tensor_id}"
-                results.append(RangeResult(ErrorCode.IO_ERROR,
-                                           range_failure(write, name, OSError(row.err, os.strerror(row.err)))))
+                # only a pwrite fails in C (a read copies from the mapping): the message the general path gives
+                op, tid, t0, nt, _ = IO_RANGE.unpack_from(body, IO_REQUEST.size + i * IO_RANGE.size)
+                f = store.file(tid)
+                results.append(RangeResult(ErrorCode.IO_ERROR, range_failure(
+                    op == IOOp.WRITE, f.name, f.write_error(row.err, t0 * tb, nt * tb))))
             else:
                 results.append(RangeResult(path=_PATH_NAME, nbytes=row.nbytes, service_ns=row.service_ns,
                                            hit_bytes=None if row.hit == NO_HIT else row.hit,
