@@ -333,7 +333,7 @@ IO_REPLY = struct.Struct("<QBxH")
 IO_RESULT = struct.Struct("<BBxxxxxxQQQQQ")
 #: ``hit_bytes`` of a range that is not a page-cache read
 NO_HIT = (1 << 64) - 1
-#: one served range as the daemon's hot path carries it: bytes, service ns, resident bytes of a page-cache read
+#: one served range as the daemon's general path counts it: bytes, service ns, resident bytes of a page-cache read
 #: (``NO_HIT`` otherwise), started ns, finished ns (an IO_RESULT without its status and path)
 ServedRow = tuple[int, int, int, int, int]
 #: most ranges in one request: a request and its reply (with messages) always fit a frame
@@ -346,9 +346,8 @@ _PATH_CODES = {None: 0, "pagecache": 1, "direct": 2}
 _PATH_NAMES = (None, "pagecache", "direct")
 _U16 = struct.Struct("<H")
 _IO_OPS = {int(op): op for op in IOOp}
-# the frame header and a request's / reply's head in one pack (the hot path's encoders)
+# the frame header and a request's head in one pack (the client's hot path)
 _IO_REQUEST_HEAD = struct.Struct(HEADER.format + IO_REQUEST.format[1:])
-_IO_REPLY_HEAD = struct.Struct(HEADER.format + IO_REPLY.format[1:])
 
 
 class IORange(NamedTuple):
@@ -434,22 +433,6 @@ def encode_io_reply(req_id: int, results: Sequence[RangeResult]) -> bytes:
             text = clip(r.message, MAX_RANGE_MESSAGE).encode()
             messages.append(_U16.pack(len(text)) + text)
     return _frame(IO_FORMAT, b"".join(parts + messages))
-
-
-def encode_io_served(req_id: int, path: str, rows: Sequence[ServedRow]) -> bytes:
-    """:func:`encode_io_reply` of a request whose every range was served on ``path``, from one
-    :data:`ServedRow` per range."""
-    code = _PATH_CODES[path]
-    n = len(rows)
-    pack = IO_RESULT.pack
-    # at most MAX_RANGES rows: the frame is under MAX_FRAME_BYTES
-    head = _IO_REPLY_HEAD.pack(MAGIC, IO_FORMAT, 0, IO_REPLY.size + n * IO_RESULT.size, req_id, 0, n)
-    # the fields spelled out: a third cheaper than pack(0, code, *row); one row (every one-token append) without
-    # the comprehension's call, 0.7 us less on this path
-    if n == 1:
-        (nbytes, ns, hit, t0, t1), = rows
-        return head + pack(0, code, nbytes, ns, hit, t0, t1)
-    return head + b"".join([pack(0, code, nbytes, ns, hit, t0, t1) for nbytes, ns, hit, t0, t1 in rows])
 
 
 def encode_io_refusal(req_id: int, code: ErrorCode, message: str) -> bytes:

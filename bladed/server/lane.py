@@ -84,7 +84,6 @@ class PageCacheLane:
         self._candidates = {k.tensor_id for k in sess.plan.kpus if k.path is KVPath.PAGECACHE} \
             if sess.checksums is None else set()
         self._served_before = int(ch.counters.requests)
-        sess.stats.watch_lane(ch.counters)
         self.refresh()
 
     @property

@@ -81,7 +81,7 @@ class Stats:
         self.io = {(p, o): PathCounters() for p in PATHS for o in OPS}
         self.pagecache_read_bytes = 0
         self.pagecache_hit_bytes = 0.0
-        #: the page-cache lanes' C counters of live channels (``bd_lane_counters``), added when read
+        #: the live channels, whose page-cache lanes' C counters (``bd_lane_counters``) are added when read
         self._lanes: set[Any] = set()
         self.trimmed_bytes = 0
         #: Write Zeroes on teardown (devices without zeroes after deallocate, or device.zero_freed = "always")
@@ -131,19 +131,19 @@ class Stats:
                     self.pagecache_read_bytes += nbytes
                     self.pagecache_hit_bytes += hit
 
-    def watch_lane(self, counters: Any) -> None:
-        """Count what a channel's page-cache lane serves (its C counters, read when asked) until
-        :meth:`fold_lane`."""
+    def watch_lane(self, channel: Any) -> None:
+        """Count what a channel's page-cache lane serves (``channel.counters``, C memory the channel owns: read
+        when asked) until :meth:`fold_lane`.  From the channel's making, so a fold always comes after."""
         with self._lock:
-            self._lanes.add(counters)
+            self._lanes.add(channel)
 
-    def fold_lane(self, counters: Any) -> None:
+    def fold_lane(self, channel: Any) -> None:
         """The channel is done: what its lane served joins the totals for good."""
         with self._lock:
-            if counters in self._lanes:
-                self._lanes.discard(counters)
+            if channel in self._lanes:
+                self._lanes.discard(channel)
                 self.pagecache_read_bytes, self.pagecache_hit_bytes = _add_lane(
-                    self.io, counters, self.pagecache_read_bytes, self.pagecache_hit_bytes)
+                    self.io, channel.counters, self.pagecache_read_bytes, self.pagecache_hit_bytes)
 
     def _totals(self) -> tuple[dict[tuple[str, str], PathCounters], int, float]:
         """The io counters and page-cache read/hit bytes with the live lanes' added (the caller holds the lock)."""
@@ -151,8 +151,8 @@ class Stats:
             return self.io, self.pagecache_read_bytes, self.pagecache_hit_bytes
         io = {k: replace(v, buckets=list(v.buckets)) for k, v in self.io.items()}
         read, hit = self.pagecache_read_bytes, self.pagecache_hit_bytes
-        for c in self._lanes:
-            read, hit = _add_lane(io, c, read, hit)
+        for ch in self._lanes:
+            read, hit = _add_lane(io, ch.counters, read, hit)
         return io, read, hit
 
     def add(self, name: str, value: int = 1) -> None:

@@ -501,6 +501,7 @@ class SessionManager:
                     s.close()
                 raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {ch}: {e}") from None
             sess.channels.append(Channel(ch, engine, slot, self.cfg.io.read_window_bytes))
+            self.stats.watch_lane(sess.channels[-1])
         if plan.mode in (Mode.DIRECT, Mode.DUALBLADE):
             # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
             extent_store.prepare()
@@ -581,7 +582,7 @@ class SessionManager:
                 self.stats.add("zeroed_bytes", zeroed)
         sess.files_removed = sess.pagecache.close() if sess.pagecache is not None else 0
         for c in sess.channels:
-            self.stats.fold_lane(c.counters)
+            self.stats.fold_lane(c)
             c.close()
         if sess.mapping is not None:
             try:
