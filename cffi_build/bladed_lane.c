@@ -60,13 +60,18 @@ static int nonblocking(int fd)
     return flags >= 0 && (flags & O_NONBLOCK);
 }
 
+/* make room: what is left of the current frame to the front of the buffer */
+static void stream_compact(struct bd_stream *s)
+{
+    memmove(s->buf, s->buf + s->start, s->end - s->start);
+    s->end -= s->start;
+    s->start = 0;
+}
+
 static int stream_more(struct bd_stream *s, int timeout_ms, int at_boundary)
 {
-    if (s->end == s->cap) {       /* make room: what is left of the current frame to the front */
-        memmove(s->buf, s->buf + s->start, s->end - s->start);
-        s->end -= s->start;
-        s->start = 0;
-    }
+    if (s->end == s->cap)
+        stream_compact(s);
     for (;;) {
         ssize_t n = recv(s->fd, s->buf + s->end, s->cap - s->end, 0);
         if (n > 0) {
@@ -117,11 +122,8 @@ int bd_stream_read(struct bd_stream *s, int timeout_ms)
         return -BD_STREAM_TOO_LARGE;
     }
     uint32_t fmt = h[2];
-    if (s->cap - s->start < FRAME_HEADER + len) {
-        memmove(s->buf, s->buf + s->start, s->end - s->start);
-        s->end -= s->start;
-        s->start = 0;
-    }
+    if (s->cap - s->start < FRAME_HEADER + len)
+        stream_compact(s);
     while (s->end - s->start < FRAME_HEADER + len)
         if ((r = stream_more(s, timeout_ms, 0)) < 0)
             return r;

@@ -81,8 +81,8 @@ class PageCacheLane:
         self.c = lane
         #: frames in and out: the same C stream the lane reads through
         self.stream = FrameStream(sock, into=ffi.addressof(lane, "stream"))
-        self._candidates = {k.tensor_id for k in sess.plan.kpus if k.path is KVPath.PAGECACHE} \
-            if sess.checksums is None else set()
+        #: the KPUs whose gates may still open (LiveState.open_lane_gates decides, and prunes it)
+        self._candidates = {k.tensor_id for k in sess.plan.kpus}
         self._served_before = int(ch.counters.requests)
         self.refresh()
 
@@ -106,14 +106,9 @@ class PageCacheLane:
 
     def refresh(self) -> None:
         """Open the gates that can open now (after the general path made a KPU's file)."""
-        if not self._candidates:
-            return
-        with self.ch.lock:
-            left = self._candidates.difference(self.sess.live.open_lane_gates(self._candidates))
-            plan = self.sess.plan
-            # a KPU demoted or dropped after use never comes back to the plain page-cache path
-            self._candidates = {t for t in left if (k := plan.kpu(t)).path is KVPath.PAGECACHE
-                                and not k.drop_after_use}
+        if self._candidates:
+            with self.ch.lock:
+                self.sess.live.open_lane_gates(self._candidates)
 
     def _partial_reply(self) -> bytes:
         lane = self.c

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -87,31 +87,31 @@ class LiveState:
         gate drained, or every channel lock held)."""
         return max(self.filled.get(tensor_id, 0), self.gates.filled(tensor_id))
 
-    def open_lane_gates(self, tensor_ids: Iterable[int]) -> list[int]:
-        """Open the gates of those of ``tensor_ids`` the page-cache lane may serve now; returns them.
+    def open_lane_gates(self, candidates: set[int]) -> None:
+        """Open the gates of those of ``candidates`` the page-cache lane may serve now, and drop from the set
+        every tensor id that needs no more tries (its gate is open, or the KPU left the plain page-cache path
+        for good: demotions never come back).
 
-        That is: plain page-cache KPUs (not dropped after use) whose files exist, with no demotion
+        The lane may serve plain page-cache KPUs (not dropped after use) whose files exist, with no demotion
         pending or under way, of a session without checksums that is not closing.  The caller holds a
         channel lock, so :meth:`KPUGates.seal` (which holds them all) cannot be under way.
         """
         sess = self.sess
         store = sess.pagecache
         gates = self.gates
-        opened: list[int] = []
         with self._lock:
             if sess.closing or sess.checksums is not None or store is None or gates.sealed:
-                return opened
+                candidates.clear()
+                return
             plan = sess.plan
-            for t in tensor_ids:
-                if t in self.pending or t in self._moving or gates.is_open(t):
-                    continue
+            for t in list(candidates):
                 k = plan.kpu(t)
-                if k.path is not KVPath.PAGECACHE or k.drop_after_use or not store.holds(t):
-                    continue
-                f = store.file(t)
-                if f.materialized and gates.open(t, f.fd, f.address, f.nbytes):
-                    opened.append(t)
-        return opened
+                if gates.is_open(t) or k.path is not KVPath.PAGECACHE or k.drop_after_use or not store.holds(t):
+                    candidates.discard(t)
+                elif t not in self.pending and t not in self._moving:
+                    f = store.file(t)
+                    if f.materialized and gates.open(t, f.fd, f.address, f.nbytes):
+                        candidates.discard(t)
 
     # -- recording ----------------------------------------------------------------------
     def schedule(self, grant: int) -> tuple[KPU, ...]:
