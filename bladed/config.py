@@ -517,7 +517,10 @@ def group_id(group: str) -> int:
     """A gid from a group name or a numeric string (KeyError if unknown)."""
     if group.isdigit():
         return int(group)
-    return grp.getgrnam(group).gr_gid
+    try:
+        return grp.getgrnam(group).gr_gid
+    except ValueError:      # a name no group can have (an embedded NUL)
+        raise KeyError(group) from None
 
 
 def validate_device(cfg: Config, *, lba_size: int, capacity_blocks: int, path: str) -> list[str]:

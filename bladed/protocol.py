@@ -472,7 +472,7 @@ class FrameStream:
 
     Bytes that arrive beyond the current frame (a pipelined request) stay in
     the buffer for the next :meth:`read`.  No descriptors on these connections.
-    The daemon's page-cache lane reads through the same C stream (``into``).
+    The daemon's lane reads through the same C stream (``into``).
     """
 
     def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, *, into: Any = None) -> None:

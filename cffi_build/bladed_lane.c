@@ -31,12 +31,13 @@
 #define IO_RESULT_SIZE 48u        /* u8 status, u8 path, 6 pad, 5 x u64 */
 #define OP_WRITE 1u
 #define OP_READ 2u
-#define PATH_PAGECACHE 1u
+#define PATH_PAGECACHE 1u         /* bladed.protocol's path codes */
+#define PATH_DIRECT 2u
 #define MIRROR UINT64_MAX
 #define NO_HIT UINT64_MAX
 #define PAGE 4096u
 
-_Static_assert(sizeof(((struct bd_lane_counters *)0)->buckets[0]) / sizeof(uint64_t) == BD_LANE_BOUNDS + 1,
+_Static_assert(sizeof(((struct bd_lane_counters *)0)->buckets[0][0]) / sizeof(uint64_t) == BD_LANE_BOUNDS + 1,
                "one bucket per bound and one past the last");
 
 static uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -196,10 +197,11 @@ static void futex_wake_all(uint32_t *word)
     syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
 }
 
-int bd_gate_open(struct bd_kpu_gate *g, int fd, uint64_t base, uint64_t nbytes)
+int bd_gate_open(struct bd_kpu_gate *g, uint32_t path, int fd, uint64_t base, uint64_t nbytes)
 {
-    if (__atomic_load_n(&g->word, __ATOMIC_ACQUIRE) != BD_GATE_CLOSED)
+    if (path > BD_PATH_DIRECT || __atomic_load_n(&g->word, __ATOMIC_ACQUIRE) != BD_GATE_CLOSED)
         return -EBUSY;
+    g->path = path;
     g->fd = fd;
     g->base = base;
     g->nbytes = nbytes;
@@ -271,15 +273,16 @@ static uint64_t resident_bytes(const struct bd_kpu_gate *g, uint64_t off, uint64
     return (uint64_t)((double)cached / (double)pages * (double)n + 0.5);
 }
 
-static void observe(struct bd_lane_counters *c, const uint64_t *bounds, int write, uint64_t nbytes, uint64_t ns)
+static void observe(struct bd_lane_counters *c, const uint64_t *bounds, unsigned path, int write, uint64_t nbytes,
+                    uint64_t ns)
 {
     unsigned b = 0;
     while (b < BD_LANE_BOUNDS && bounds[b] < ns)
         b++;
-    c->ops[write]++;
-    c->bytes[write] += nbytes;
-    c->latency_ns[write] += ns;
-    c->buckets[write][b]++;
+    c->ops[path][write]++;
+    c->bytes[path][write] += nbytes;
+    c->latency_ns[path][write] += ns;
+    c->buckets[path][write][b]++;
 }
 
 /* Check a request against the lane's rules; 1 if the lane serves it (the same rules as
@@ -324,68 +327,153 @@ static int lane_checks(struct bd_lane *l, const uint8_t *body, uint32_t size, ui
     return 1;
 }
 
-/* Run a checked request under the channel lock; -1 if a gate was closed (nothing done), else the
- * number of ranges that failed. */
+/* May the lane run range r on gate g (counted in)?  Inside its KPU; a direct range needs the lane's ring and
+ * a slot offset on an LBA (the KPU offset is one: the gate opens only for rows of whole LBAs), so that the
+ * whole range moves by DMA between the slot and the device (Algorithm 2).  Else the general path says why. */
+static int lane_may_run(const struct bd_lane *l, const struct bd_kpu_gate *g, const uint8_t *r)
+{
+    uint64_t t0 = ld32(r + 8), nt = ld32(r + 12), so = ld64(r + 16);
+    if ((t0 + nt) * l->token_bytes > g->nbytes)
+        return 0;
+    if (g->path != BD_PATH_DIRECT)
+        return 1;
+    return l->ring != NULL && (so == MIRROR || so % l->lba_bytes == 0);
+}
+
+/* Queue range i's transfer on the channel's ring (the slot's span to or from the KPU's LBAs); 0 if the engine
+ * refused it (x says why, nothing queued). */
+static int lane_queue_direct(struct bd_lane *l, const uint8_t *r, uint32_t i)
+{
+    const struct bd_kpu_gate *g = &l->gates[ld32(r + 4)];
+    uint64_t off = (uint64_t)ld32(r + 8) * l->token_bytes, so = ld64(r + 16);
+    struct bd_xfer *x = &l->xfers[i];
+    memset(x, 0, sizeof(*x));
+    x->target = l->target;
+    x->op = r[0] == OP_WRITE ? BD_OP_WRITE : BD_OP_READ;
+    x->slba = g->base + off / l->lba_bytes;      /* Algorithm 2, line 5: slba = start + offset / LBA */
+    x->nbytes = (uint64_t)ld32(r + 12) * l->token_bytes;
+    x->buf = (void *)(uintptr_t)(l->slot + (so == MIRROR ? off : so));
+    x->buf_index = bd_ring_buffer_index(l->ring, x->buf, x->nbytes);
+    x->tag = i;
+    return bd_enqueue(l->ring, x) == 0;
+}
+
+/* Page-cache range i, by copy. */
+static void lane_copy(struct bd_lane *l, const uint8_t *r, struct bd_lane_row *row)
+{
+    const struct bd_kpu_gate *g = &l->gates[row->tensor_id];
+    uint64_t off = (uint64_t)ld32(r + 8) * l->token_bytes, so = ld64(r + 16);
+    if (so == MIRROR)
+        so = off;
+    row->started_ns = now_ns();
+    if (r[0] == OP_WRITE) {
+        int64_t done = bd_pwrite_full(g->fd, l->slot + so, row->nbytes, off);
+        row->hit = NO_HIT;
+        if (done < 0)
+            row->err = (int32_t)-done;
+    } else {
+        row->hit = resident_bytes(g, off, row->nbytes);
+        memcpy((void *)(uintptr_t)(l->slot + so), (const void *)(uintptr_t)(g->base + off), row->nbytes);
+    }
+    row->finished_ns = now_ns();
+}
+
+/* lane_run_ranges: a gate was closed or the general path must run a range; nothing was done */
+#define LANE_TO_PYTHON INT32_MIN
+
+/* Collect at least min_done of the direct transfers in flight; 0 or -errno (the ring failed). */
+static int lane_reap(struct bd_lane *l, unsigned min_done, uint32_t *left)
+{
+    int got = bd_progress(l->ring, min_done, l->done, l->limit);
+    if (got < 0)
+        return got;
+    if (got == 0 && min_done)
+        return -EIO;              /* cannot happen: queued transfers always complete */
+    for (int k = 0; k < got; k++)
+        l->rows[l->done[k]->tag].finished_ns = l->done[k]->t_done_ns;
+    *left -= (uint32_t)got;
+    return 0;
+}
+
+/* Run a checked request under the channel lock; LANE_TO_PYTHON, -errno if the ring failed (the connection
+ * ends: that ring is broken for either path), else the number of ranges that failed.  The direct ranges'
+ * commands go to the device first, together (writes ahead of reads: an append must not wait behind a bulk
+ * read's pieces), and the page-cache copies run while the device works. */
 static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
 {
     struct bd_lane_counters *c = &l->chan->counters;
     const uint64_t tb = l->token_bytes;
-    uint32_t i, failed = 0;
+    uint32_t i, failed = 0, ndirect = 0;
+    int ring_err = 0;
     for (i = 0; i < n; i++) {
-        /* counted in on an open gate, and inside its KPU's file (else the general path says why not) */
         const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
         struct bd_kpu_gate *g = &l->gates[ld32(r + 4)];
         if (!gate_enter(g))
             break;
-        if (((uint64_t)ld32(r + 8) + ld32(r + 12)) * tb > g->nbytes) {
+        if (!lane_may_run(l, g, r)) {
             gate_leave(g);
             break;
         }
+        struct bd_lane_row *row = &l->rows[i];
+        row->tensor_id = ld32(r + 4);
+        row->path = g->path;
+        row->nbytes = (uint64_t)ld32(r + 12) * tb;
+        row->err = 0;
+        ndirect += g->path == BD_PATH_DIRECT;
     }
     if (i < n) {
         while (i--)
-            gate_leave(&l->gates[ld32(body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE + 4)]);
-        return -1;
+            gate_leave(&l->gates[l->rows[i].tensor_id]);
+        return LANE_TO_PYTHON;
     }
     uint64_t busy0 = now_ns();
+    if (ndirect) {
+        for (int pass = 0; pass < 2; pass++)      /* writes, then reads */
+            for (i = 0; i < n; i++) {
+                const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
+                if (l->rows[i].path == BD_PATH_DIRECT && (r[0] == OP_WRITE) == (pass == 0)) {
+                    l->rows[i].started_ns = busy0;
+                    ndirect -= !lane_queue_direct(l, r, i);
+                }
+            }
+        ring_err = lane_reap(l, 0, &ndirect);          /* submits them all now */
+    }
+    for (i = 0; i < n; i++)
+        if (l->rows[i].path == BD_PATH_PAGECACHE)
+            lane_copy(l, body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE, &l->rows[i]);
+    while (ndirect && !ring_err)
+        ring_err = lane_reap(l, 1, &ndirect);
+    if (ring_err) {
+        for (i = 0; i < n; i++)
+            gate_leave(&l->gates[l->rows[i].tensor_id]);
+        return ring_err;
+    }
     for (i = 0; i < n; i++) {
         const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
-        uint32_t tid = ld32(r + 4);
-        uint64_t t0 = ld32(r + 8), nt = ld32(r + 12), so = ld64(r + 16);
-        struct bd_kpu_gate *g = &l->gates[tid];
         struct bd_lane_row *row = &l->rows[i];
+        struct bd_kpu_gate *g = &l->gates[row->tensor_id];
         int write = r[0] == OP_WRITE;
-        uint64_t off = t0 * tb, nbytes = nt * tb;
-        if (so == MIRROR)
-            so = off;
-        row->tensor_id = tid;
-        row->err = 0;
-        row->started_ns = now_ns();
-        if (write) {
-            int64_t done = bd_pwrite_full(g->fd, l->slot + so, nbytes, off);
+        if (row->path == BD_PATH_DIRECT) {
             row->hit = NO_HIT;
-            if (done < 0)
-                row->err = (int32_t)-done;
-        } else {
-            row->hit = resident_bytes(g, off, nbytes);
-            memcpy((void *)(uintptr_t)(l->slot + so), (const void *)(uintptr_t)(g->base + off), nbytes);
+            if (l->xfers[i].err_kind != BD_OK)
+                row->err = 1;
+            if (row->err)
+                row->finished_ns = now_ns();
         }
-        row->finished_ns = now_ns();
         row->service_ns = row->finished_ns - row->started_ns;
-        row->nbytes = nbytes;
         if (row->err) {
-            c->errors[write]++;
+            c->errors[row->path][write]++;
             failed++;
             continue;
         }
-        observe(c, l->bounds_ns, write, nbytes, row->service_ns);
+        observe(c, l->bounds_ns, row->path, write, row->nbytes, row->service_ns);
         if (write) {
-            uint32_t end = (uint32_t)(t0 + nt), f = __atomic_load_n(&g->filled, __ATOMIC_RELAXED);
+            uint32_t end = ld32(r + 8) + ld32(r + 12), f = __atomic_load_n(&g->filled, __ATOMIC_RELAXED);
             while (end > f && !__atomic_compare_exchange_n(&g->filled, &f, end, 1, __ATOMIC_RELAXED,
                                                            __ATOMIC_RELAXED))
                 ;
-        } else {
-            c->pagecache_read_bytes += nbytes;
+        } else if (row->path == BD_PATH_PAGECACHE) {
+            c->pagecache_read_bytes += row->nbytes;
             c->pagecache_hit_bytes += row->hit;
         }
     }
@@ -414,7 +502,7 @@ static uint32_t pack_reply(struct bd_lane *l, uint32_t n)
     for (uint32_t i = 0; i < n; i++, p += IO_RESULT_SIZE) {
         const struct bd_lane_row *row = &l->rows[i];
         memset(p, 0, 8);
-        p[1] = PATH_PAGECACHE;
+        p[1] = row->path == BD_PATH_DIRECT ? PATH_DIRECT : PATH_PAGECACHE;
         st64(p + 8, row->nbytes);
         st64(p + 16, row->service_ns);
         st64(p + 24, row->hit);
@@ -440,8 +528,10 @@ int bd_lane_run(struct bd_lane *l)
         if (failed >= 0)
             l->chan->counters.requests++;
         bd_chan_unlock(l->chan);
-        if (failed < 0)
+        if (failed == LANE_TO_PYTHON)
             return 0;             /* a gate is closed: Python carries out what closed it */
+        if (failed < 0)
+            return failed;        /* the ring failed */
         l->req_id = ld64(body);
         l->nrows = n;
         if (failed > 0)

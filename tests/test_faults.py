@@ -403,6 +403,43 @@ def test_a_page_cache_range_that_fails_fails_alone_and_the_batch_completes(tmp: 
             assert c.stats()["io"]["pagecache"]["write"]["errors"] == 1
 
 
+@pytest.mark.root
+def test_a_direct_range_that_fails_on_the_lane_fails_alone_and_the_batch_completes(tmp: str) -> None:
+    """A loop device over a sparse file on a full tmpfs: a rewrite of stored blocks succeeds, a write into fresh
+    blocks fails.  Both KPUs were used already, so the lane runs the batch in C: the failing range fails alone with
+    the general path's message (its KPU, the LBA), the other is stored, and the failure is counted."""
+    geo = dict(GEOMETRIES[0], max_tokens=64)             # 256 KiB KPUs, 4 KiB rows: whole LBAs
+    tb = 4096
+    with small_fs("tmpfs", "4M", os.path.join(tmp, "fs")) as fs:
+        backing = os.path.join(fs, "backing.img")
+        with open(backing, "wb") as f:
+            f.truncate(64 << 20)
+        with loop_over(backing) as dev:
+            cfg = {"device": {"backend": "block", "path": dev}, "budget": {"override": 0}}
+            with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c, \
+                    c.open_session(geo, mode="direct", channels=1) as s:
+                slot = s.slot(0)                     # the default layout: token t at slot offset t * 4096
+                slot[:] = b"\x42" * len(slot)
+                s.write(0, "k", 0, 0, 1)             # both KPUs used: their LBAs bound, the lane serves them
+                s.write(0, "v", 0, 0, 1)
+                fill(os.path.join(fs, "filler"), 4096)
+                (before,) = c.sessions()
+                slot[:] = os.urandom(len(slot))
+                ok, bad = s.submit(0, [s.range("write", 0, "k", 0, 1), s.range("write", 0, "v", 40, 1)],
+                                   check=False)
+                (after,) = c.sessions()
+                assert after["lane_requests"] == before["lane_requests"] + 1
+                assert ok.error is None and ok.path == "direct" and ok.nbytes == tb
+                assert isinstance(bad.error, RemoteIOError), bad
+                assert "direct write of v0" in str(bad.error) and "LBA" in str(bad.error), str(bad.error)
+                print(f"\nthe lane's failure reached the client as: {bad.error}")
+                want = bytes(slot[:tb])
+                slot[:] = bytes(len(slot))
+                s.read(0, "k", 0, 0, 1)
+                assert bytes(slot[:tb]) == want
+                assert c.stats()["io"]["direct"]["write"]["errors"] == 1
+
+
 def oom_kills(cgroup: str) -> int:
     for name in ("memory.oom_control", "memory.events"):
         with contextlib.suppress(FileNotFoundError), open(os.path.join(cgroup, name)) as f:

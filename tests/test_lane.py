@@ -1,9 +1,11 @@
-"""The page-cache lane (bladed.server.lane): what the daemon serves in C is served, counted and ordered
-as the general path would, against a real daemon.
+"""The lane (bladed.server.lane): what the daemon serves in C is served, counted and ordered as the
+general path would, against a real daemon.
 
-The lane takes requests whose every range is on a plain page-cache KPU with
-an open gate; everything else must come back to Python and behave exactly as
-before (a refusal naming the range, a direct-path range, a pending demotion).
+The lane takes requests whose every range is on a KPU with an open gate (a
+plain page-cache KPU, or a direct KPU of whole-LBA rows with the range's slot
+offset on an LBA); everything else must come back to Python and behave
+exactly as before (a refusal naming the range, a slot offset off an LBA, a
+pending demotion).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def daemon() -> Iterator[DaemonProcess]:
 
 def pagecache_io(c: Client) -> dict[str, dict[str, int]]:
     return c.stats()["io"]["pagecache"]
+
+
+def lane_requests(c: Client) -> int:
+    (row,) = c.sessions()
+    return int(row["lane_requests"])
 
 
 def test_one_token_appends_read_back_and_are_counted(daemon: DaemonProcess) -> None:
@@ -63,6 +70,69 @@ def test_one_token_appends_read_back_and_are_counted(daemon: DaemonProcess) -> N
         assert during[op]["bytes"] - before[op]["bytes"] == len(want) * TB
         assert after[op]["ops"] == during[op]["ops"]     # kept once the session (and its lane) is gone
         assert after[op]["latency_sum_s"] > 0
+
+
+def test_direct_appends_run_on_the_lane_read_back_and_are_counted(daemon: DaemonProcess) -> None:
+    """On the direct path (4 KiB rows: whole LBAs), every request after a KPU's first runs in C on the channel's
+    ring; appends and reads of every token read back and are counted on the direct path."""
+    with Client(daemon.socket_path) as c:
+        before = c.stats()["io"]["direct"]
+        with c.open_session(GEO, mode="direct", channels=1) as s:
+            assert {k["path"] for k in s.plan["kpus"]} == {"direct"}
+            slot = s.slot(0)
+            want = {}
+            for t in range(8):
+                for layer in range(4):
+                    for kind in "kv":
+                        row = os.urandom(TB)
+                        slot[t * TB:(t + 1) * TB] = row
+                        assert s.write(layer, kind, 0, t, 1).path == "direct"
+                        want[(layer, kind, t)] = row
+            slot[:] = bytes(len(slot))
+            for (layer, kind, t), row in want.items():
+                r = s.read(layer, kind, 0, t, 1)
+                assert bytes(slot[t * TB:(t + 1) * TB]) == row, (layer, kind, t)
+                assert (r.path, r.nbytes, r.hit_ratio) == ("direct", TB, None)
+            assert lane_requests(c) == 2 * len(want) - 8      # each KPU's first request bound it, in Python
+            during = c.stats()["io"]["direct"]
+        after = c.stats()["io"]["direct"]
+    for op in ("write", "read"):
+        assert during[op]["ops"] - before[op]["ops"] == len(want)
+        assert during[op]["bytes"] - before[op]["bytes"] == len(want) * TB
+        assert after[op]["ops"] == during[op]["ops"]     # kept once the session (and its lane) is gone
+
+
+def test_a_batch_of_both_paths_runs_on_the_lane_and_a_slot_offset_off_an_lba_goes_to_python() -> None:
+    """A decode step's batch of every KPU of a Dual-Blade session, page-cache and direct ranges together, runs
+    in one C request; a direct range whose slot offset is not on an LBA is served by the general path."""
+    with short_tmpdir() as d, DaemonProcess(d, {"budget": {"override": 4 * KPU}}).start() as dp, \
+            Client(dp.socket_path) as c, c.open_session(GEO, mode="dualblade", channels=1,
+                                                        slot_bytes=8 * KPU + 2 * TB) as s:
+        paths = {k["tensor_id"]: k["path"] for k in s.plan["kpus"]}
+        assert set(paths.values()) == {"pagecache", "direct"}, paths
+        slot = s.slot(0)
+        for tid in range(8):
+            slot[tid * KPU:(tid + 1) * KPU] = bytes([tid + 1]) * KPU
+            s.submit(0, [IORange(IOOp.WRITE, tid, 0, 8, tid * KPU)])     # every file made, every extent bound
+        rows = [os.urandom(TB) for _ in range(8)]
+        for tid, row in enumerate(rows):
+            slot[tid * TB:(tid + 1) * TB] = row
+        served = lane_requests(c)
+        results = s.submit(0, [IORange(IOOp.WRITE, tid, 3, 1, tid * TB) for tid in range(8)])
+        assert [r.path for r in results] == [paths[t] for t in range(8)]
+        assert lane_requests(c) == served + 1
+        slot[:] = bytes(len(slot))
+        results = s.submit(0, [IORange(IOOp.READ, tid, 0, 8, tid * KPU) for tid in range(8)])
+        assert lane_requests(c) == served + 2
+        for tid in range(8):
+            kpu = bytes(slot[tid * KPU:(tid + 1) * KPU])
+            assert kpu == bytes([tid + 1]) * 3 * TB + rows[tid] + bytes([tid + 1]) * 4 * TB, tid
+        direct = next(t for t in range(8) if paths[t] == "direct")
+        slot[8 * KPU + 100:8 * KPU + 100 + TB] = rows[0]                 # not on an LBA: bounced, in Python
+        (r,) = s.submit(0, [IORange(IOOp.WRITE, direct, 5, 1, 8 * KPU + 100)])
+        assert r.path == "direct" and lane_requests(c) == served + 2
+        s.submit(0, [IORange(IOOp.READ, direct, 5, 1, 0)])
+        assert bytes(slot[:TB]) == rows[0]
 
 
 def test_pipelined_requests_are_answered_in_order(daemon: DaemonProcess) -> None:

@@ -100,11 +100,13 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         assert m[("bladed_demoted_kpus_total", ())] == 2 and m[("bladed_demoted_bytes_total", ())] == 2 * KPU
         assert m[("bladed_replans_total", ())] >= 1 and m[("bladed_demotions_failed_total", ())] == 0
 
-        # keep going: writes and reads on a demoted KPU stay direct
+        # keep going: writes and reads on a demoted KPU stay direct, served by the lane in C from now on
+        served = row["lane_requests"]
         w = c.call("write", layer=1, kind="k", token_start=5, ntokens=3, seed=9)
         assert w["path"] == "direct"
         assert c.call("read_check", layer=1, kind="k", token_start=5, ntokens=3, seed=9)["match"]
         assert c.call("read_check", layer=1, kind="k", token_start=8, seed=1)["match"]
+        assert session_row(c, sid)["lane_requests"] == served + 3
         r0 = c.call("read_check", layer=0, kind="k", seed=1)
         assert r0["path"] == "pagecache" and r0["match"]
 

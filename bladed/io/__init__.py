@@ -13,7 +13,7 @@ from bladed.io.errors import (
     ShortTransferError,
     TargetRangeError,
 )
-from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer
+from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer, transfer_error
 
 BACKENDS = ("nvme", "block", "file")
 
@@ -51,4 +51,5 @@ __all__ = [
     "TargetRangeError",
     "Transfer",
     "open_device",
+    "transfer_error",
 ]

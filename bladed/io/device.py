@@ -166,7 +166,8 @@ class Engine:
         """Per-command payload for transfers from this engine's hugetlb buffers."""
         return int(self.target_huge.max_chunk_bytes)
 
-    def _target_for(self, addr: int, nbytes: int) -> Any:
+    def target_for(self, addr: int, nbytes: int) -> Any:
+        """The C target (``struct bd_target *``) a transfer from memory ``[addr, addr + nbytes)`` goes to."""
         for lo, hi in self._huge_ranges:
             if lo <= addr and addr + nbytes <= hi:
                 return self.target_huge
@@ -190,7 +191,7 @@ class Engine:
                     f"buffer address 0x{addr:x} is not aligned to the {dev.lba_size}-byte LBA "
                     f"(O_DIRECT and NVMe DMA need aligned memory; use a StagingBuffer)",
                 )
-            target = self._target_for(addr, n)
+            target = self.target_for(addr, n)
         else:
             if nbytes is None:
                 raise ValueError(f"{op.name.lower()} needs nbytes")
@@ -213,6 +214,11 @@ class Engine:
     @property
     def outstanding(self) -> int:
         return self.ring.outstanding
+
+    @property
+    def describe_target(self) -> str:
+        """" on DEVICE", as the transfers' messages end."""
+        return self._suffix
 
     # -- synchronous ---------------------------------------------------------
     def run(self, xfers: Iterable[Transfer], *, check: bool = True) -> list[Transfer]:

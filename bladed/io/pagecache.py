@@ -269,7 +269,7 @@ class PageCacheFile:
 
     def write_error(self, err: int, file_offset: int, nbytes: int) -> BladedIOError:
         """The error of a write of ``[file_offset, file_offset + nbytes)`` that failed with errno ``err`` (here
-        or in the daemon's page-cache lane, which writes in C)."""
+        or in the daemon's lane, which writes in C)."""
         return errno_error(err, f"write of [{file_offset}, {file_offset + nbytes}) to {self.path}")
 
     def drop(self, offset: int = 0, nbytes: int | None = None) -> None:

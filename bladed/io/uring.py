@@ -205,6 +205,27 @@ def request_error(why: int, target: Any, op: int, slba: int, nbytes: int, what: 
     return errno_error(err, f"{what} (refused, reason {why})")
 
 
+def transfer_error(c: Any, describe_target: str = "") -> BladedIOError | None:
+    """The failure of a finished ``struct bd_xfer`` as an exception, or None (``describe_target``: " on DEVICE")."""
+    kind = c.err_kind
+    if kind == lib.BD_OK:
+        return None
+    op, slba, nbytes = Op(c.op), int(c.slba), int(c.nbytes)
+    what = f"{op.name.lower()} of {nbytes} bytes at LBA {slba}{describe_target}"
+    if kind == lib.BD_ERR_INVALID:
+        return request_error(int(c.err_value), c.target, int(c.op), slba, nbytes, what,
+                             address=int(ffi.cast("uintptr_t", c.buf)))
+    if kind == lib.BD_ERR_NVME:
+        return NVMeStatusError(int(c.err_value), int(c.err_slba), what)
+    if kind == lib.BD_ERR_SHORT:
+        return ShortTransferError(
+            errno.EIO,
+            f"{what}: short transfer, a command at LBA {int(c.err_slba)} moved only "
+            f"{int(c.err_value)} bytes (past the end of the backing store?)",
+        )
+    return errno_error(int(c.err_value), f"{what} (command at LBA {int(c.err_slba)})")
+
+
 class Transfer:
     """One request (a tensor, an index range, a discard) and, once done, its outcome."""
 
@@ -248,23 +269,7 @@ class Transfer:
 
     def error(self) -> BladedIOError | None:
         """The failure of this transfer as an exception, or None."""
-        c = self._c
-        kind = c.err_kind
-        if kind == lib.BD_OK:
-            return None
-        what = f"{self.op.name.lower()} of {self.nbytes} bytes at LBA {self.slba}{self.describe_target}"
-        if kind == lib.BD_ERR_INVALID:
-            return request_error(int(c.err_value), c.target, int(c.op), self.slba, self.nbytes, what,
-                                 address=int(ffi.cast("uintptr_t", c.buf)))
-        if kind == lib.BD_ERR_NVME:
-            return NVMeStatusError(int(c.err_value), int(c.err_slba), what)
-        if kind == lib.BD_ERR_SHORT:
-            return ShortTransferError(
-                errno.EIO,
-                f"{what}: short transfer, a command at LBA {int(c.err_slba)} moved only "
-                f"{int(c.err_value)} bytes (past the end of the backing store?)",
-            )
-        return errno_error(int(c.err_value), f"{what} (command at LBA {int(c.err_slba)})")
+        return transfer_error(self._c, self.describe_target)
 
     def raise_for_status(self) -> Transfer:
         err = self.error()
@@ -339,6 +344,11 @@ class Ring:
     @property
     def outstanding(self) -> int:
         return int(lib.bd_outstanding(self._ring))
+
+    @property
+    def c(self) -> Any:
+        """The C ring (``struct bd_ring *``), for a C loop that drives it while it owns this Ring (the lane)."""
+        return self._ring
 
     @property
     def read_window(self) -> int:

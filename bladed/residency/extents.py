@@ -361,6 +361,10 @@ class ExtentMap:
     def materialized(self) -> frozenset[int]:
         return frozenset(self._materialized)
 
+    def is_materialized(self, tensor_id: int) -> bool:
+        """Has the tensor been looked up (used) since it was bound?"""
+        return tensor_id in self._materialized
+
     @property
     def end_lba(self) -> int:
         """First LBA after the last bound tensor."""

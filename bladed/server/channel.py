@@ -8,7 +8,7 @@ engine), so two copy threads overlap their storage I/O (overlap-intra,
 paper §IV-C).  The lock only matters when something else borrows the channel
 (a JSON ``read``/``write`` on the control connection, a live demotion, the
 session's teardown waiting for the request in flight).  It is a C mutex
-(``bd_chan``), because the page-cache lane's C loop takes it too
+(``bd_chan``), because the lane's C loop takes it too
 (``bladed.server.lane``); the channel's counters live beside it.
 
 Each channel's ring reads through a window (``io.read_window_bytes``,
@@ -56,6 +56,11 @@ class Channel:
         """Time spent running them."""
         return int(self.counters.busy_ns)
 
+    @property
+    def lane_requests(self) -> int:
+        """Requests the lane served on this channel (without Python)."""
+        return int(self.counters.requests)
+
     def account(self, busy_ns: int, ops: int) -> None:
         """Count ranges the general path ran (the caller holds :attr:`lock`)."""
         c = self.counters
@@ -81,7 +86,7 @@ _unlock.restype = None
 
 
 class ChannelLock:
-    """A channel's lock: the C mutex the page-cache lane takes around each request it serves.
+    """A channel's lock: the C mutex the lane takes around each request it serves.
 
     ``threading.Lock``'s face (acquire, release, a context manager); waiting happens with the GIL released.
     Released by the thread that acquired it.

@@ -47,7 +47,7 @@ from bladed.protocol import (
     send_frame,
 )
 from bladed.server.events import Peer
-from bladed.server.lane import PageCacheLane
+from bladed.server.lane import Lane
 
 if TYPE_CHECKING:
     from bladed.server.daemon import Daemon
@@ -389,7 +389,7 @@ class Connection:
         """Serve binary I/O requests for one channel until the peer or the session goes: the page-cache
         lane serves what it can in C, the rest comes back here for :meth:`Session.execute`."""
         limit = self.daemon.cfg.io.max_outstanding
-        lane = PageCacheLane(sess, sess.channel(ch), self.sock, limit)
+        lane = Lane(sess, sess.channel(ch), self.sock, limit)
         send = lane.stream.send
         try:
             while True:

@@ -1,9 +1,11 @@
-"""Which KPUs of a session the page-cache lane may serve: one C gate per tensor id (``bd_kpu_gate``).
+"""Which KPUs of a session the lane may serve: one C gate per tensor id (``bd_kpu_gate``).
 
 The lane (``bladed.server.lane``) serves a request in C only if every KPU it
 addresses has an open gate; it counts itself in on each gate for the time of
-the copy.  A gate opens on a plain page-cache KPU's file once the file exists,
-and closes for good when anything else is to happen to the KPU: a demotion is
+the copy or the transfer.  A gate opens on a plain page-cache KPU's file once
+the file exists, or on a direct KPU's first LBA once the KPU is bound on the
+extent (token rows of whole LBAs only), and closes for good when anything else
+is to happen to the KPU: a demotion is
 scheduled (:meth:`KPUGates.close`) and carried out after the lane's requests
 on it drained (:meth:`KPUGates.drain`), or the session ends or is retained
 (:meth:`KPUGates.seal`, under every channel lock, so no lane request runs).
@@ -32,8 +34,16 @@ class KPUGates:
         return not self.array[tensor_id].word & lib.BD_GATE_CLOSED
 
     def open(self, tensor_id: int, fd: int, base: int, nbytes: int) -> bool:
-        """Let the lane serve the KPU from file ``fd`` mapped at ``base``; False if it is open or draining."""
-        return not self.sealed and lib.bd_gate_open(ffi.addressof(self.array, tensor_id), fd, base, nbytes) == 0
+        """Let the lane serve the page-cache KPU from file ``fd`` mapped at ``base``; False if it is open or
+        draining."""
+        return not self.sealed and lib.bd_gate_open(ffi.addressof(self.array, tensor_id), lib.BD_PATH_PAGECACHE,
+                                                    fd, base, nbytes) == 0
+
+    def open_direct(self, tensor_id: int, slba: int, nbytes: int) -> bool:
+        """Let the lane serve the direct KPU whose ``nbytes`` start at LBA ``slba`` of the session's device;
+        False if it is open or draining."""
+        return not self.sealed and lib.bd_gate_open(ffi.addressof(self.array, tensor_id), lib.BD_PATH_DIRECT,
+                                                    -1, slba, nbytes) == 0
 
     def close(self, tensor_id: int) -> None:
         """New lane requests on the KPU go to Python (those in flight finish)."""

@@ -1,34 +1,45 @@
-"""The page-cache lane: a data connection's requests whose ranges all address plain page-cache KPUs, served in C.
+"""The lane: a data connection's requests whose ranges all address KPUs with open gates, served in C.
 
-Every one-token append and most of a decode step's reads on the page-cache
-path are such requests.  In Python each step of a round trip (framing,
-checking, counting, copying, replying) cost microseconds on an edge CPU, and
-a one-token page-cache round trip stayed at 4.4x a framed ping-pong
-(docs/benchmarks.md, "The page-cache lane").  So the loop of a data
-connection runs in C (``bd_lane_run``, ``cffi_build/bladed_lane.c``): it reads
-each frame, checks the request against the same rules as
-:meth:`Session.execute` (or stricter), takes the channel lock (a C mutex, the
-one :class:`~bladed.server.channel.Channel` hands Python), counts itself in on
-each KPU's gate (``bladed.server.gates``), copies between the slot and the
-KPUs' files, counts what it served (read by :class:`Stats` when asked) and
-sends the reply, without coming back to Python.
+Every one-token append and most of a decode step's reads are such requests.
+In Python each step of a round trip (framing, checking, counting, copying,
+replying) cost microseconds on an edge CPU: a one-token page-cache round trip
+stayed at 4.4x a framed ping-pong (docs/benchmarks.md, "The page-cache lane"),
+and a one-token direct write at 2.5-3.2x a bare io_uring write ("The request
+loop in C").  So the loop of a data connection runs in C (``bd_lane_run``,
+``cffi_build/bladed_lane.c``): it reads each frame, checks the request against
+the same rules as :meth:`Session.execute` (or stricter), takes the channel lock
+(a C mutex, the one :class:`~bladed.server.channel.Channel` hands Python),
+counts itself in on each KPU's gate (``bladed.server.gates``), runs the ranges
+and sends the reply, without coming back to Python:
+
+* a plain page-cache KPU by copy between the slot and the KPU's file;
+* a direct KPU whose token rows are whole LBAs (the §IV-B precondition) by one
+  transfer on the channel's ring straight between the slot and the KPU's LBAs
+  (Algorithm 2), when the slot offset sits on an LBA.  All the request's
+  transfers are queued together, writes first, and the page-cache copies run
+  while the device works.
+
+It counts what it served per path (read by :class:`Stats` when asked).
 
 Anything else comes back to Python untouched: a JSON frame, a request that is
-malformed or out of range, a KPU on the direct path, dropped after use, whose
-file does not exist yet, or whose gate is closed (a pending demotion, a session
-closing or retained, checksums on).  The connection serves it with
+malformed or out of range, a KPU dropped after use, whose file does not exist
+yet or that was not used yet on the extent, a direct KPU of packed rows (edge
+LBAs and tails are the extent store's), a direct range whose slot offset is
+not on an LBA, or a closed gate (a pending demotion, a session closing or
+retained, checksums on).  The connection serves it with
 :meth:`Session.execute`, which serves it or refuses it with the exact error,
-and then opens the gates that have become openable (a file made by that
-request).  A request the lane ran where a range failed also comes back, for
-its reply with the failure's message.
+and then opens the gates that have become openable.  A request the lane ran
+where a range failed also comes back, for its reply with the failure's
+message.
 """
 
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bladed._uring import ffi, lib
+from bladed.io import transfer_error
 from bladed.protocol import (
     IO_RANGE,
     IO_REPLY,
@@ -50,10 +61,10 @@ if TYPE_CHECKING:
     from bladed.server.channel import Channel
     from bladed.server.session import Session
 
-_PATH_NAME = KVPath.PAGECACHE.value
+_PATH_NAMES = {lib.BD_PATH_PAGECACHE: KVPath.PAGECACHE.value, lib.BD_PATH_DIRECT: KVPath.DIRECT.value}
 
 
-class PageCacheLane:
+class Lane:
     """The lane of one data connection, attached to channel ``ch`` of session ``sess``."""
 
     def __init__(self, sess: Session, ch: Channel, sock: socket.socket, limit: int) -> None:
@@ -78,18 +89,30 @@ class PageCacheLane:
         lane.rows = self._rows
         lane.reply = self._reply
         lane.scratch = self._scratch
+        lba = sess.plan.lba_size
+        slot = ch.slot
+        if sess.plan.aligned and slot.address % lba == 0:
+            # direct KPUs (now, or after a demotion): the channel's ring, and the device's target for the slot
+            self._xfers = ffi.new("struct bd_xfer[]", limit)
+            self._done = ffi.new("struct bd_xfer *[]", limit)
+            lane.target = ch.engine.target_for(slot.address, slot.nbytes)
+            lane.ring = ch.engine.ring.c
+            lane.lba_bytes = lba
+            lane.xfers = self._xfers
+            lane.done = self._done
         self.c = lane
         #: frames in and out: the same C stream the lane reads through
         self.stream = FrameStream(sock, into=ffi.addressof(lane, "stream"))
         #: the KPUs whose gates may still open (LiveState.open_lane_gates decides, and prunes it)
         self._candidates = {k.tensor_id for k in sess.plan.kpus}
-        self._served_before = int(ch.counters.requests)
+        self._epoch = sess.live.lane_epoch
+        self._served_before = ch.lane_requests
         self.refresh()
 
     @property
     def served(self) -> int:
         """Requests the lane served on this channel since this connection attached."""
-        return int(self.ch.counters.requests) - self._served_before
+        return self.ch.lane_requests - self._served_before
 
     def next(self) -> tuple[int, memoryview] | bytes:
         """Serve requests in C until one needs Python: ``(format, body)`` of a frame the lane does not serve
@@ -105,31 +128,43 @@ class PageCacheLane:
         raise self.stream.error(r)
 
     def refresh(self) -> None:
-        """Open the gates that can open now (after the general path made a KPU's file)."""
+        """Open the gates that can open now (after the general path made a KPU's file or bound its LBAs)."""
+        live = self.sess.live
+        if live.lane_epoch != self._epoch:       # a demotion done: the demoted KPU may open on the direct path
+            self._epoch = live.lane_epoch
+            self._candidates = {k.tensor_id for k in self.sess.plan.kpus}
         if self._candidates:
             with self.ch.lock:
-                self.sess.live.open_lane_gates(self._candidates)
+                live.open_lane_gates(self._candidates)
 
     def _partial_reply(self) -> bytes:
         lane = self.c
-        store = self.sess.pagecache
-        assert store is not None
         tb = lane.token_bytes
         body = self.stream.frame()[1]
         results = []
         for i in range(lane.nrows):
             row = lane.rows[i]
             if row.err:
-                # only a pwrite fails in C (a read copies from the mapping): the message the general path gives
                 op, tid, t0, nt, _ = IO_RANGE.unpack_from(body, IO_REQUEST.size + i * IO_RANGE.size)
-                f = store.file(tid)
-                results.append(RangeResult(ErrorCode.IO_ERROR, range_failure(
-                    op == IOOp.WRITE, f.name, f.write_error(row.err, t0 * tb, nt * tb))))
+                results.append(RangeResult(ErrorCode.IO_ERROR, self._failure(row, i, op == IOOp.WRITE, tid,
+                                                                             t0 * tb, nt * tb)))
             else:
-                results.append(RangeResult(path=_PATH_NAME, nbytes=row.nbytes, service_ns=row.service_ns,
+                results.append(RangeResult(path=_PATH_NAMES[row.path], nbytes=row.nbytes, service_ns=row.service_ns,
                                            hit_bytes=None if row.hit == NO_HIT else row.hit,
                                            started_ns=row.started_ns, finished_ns=row.finished_ns))
         return encode_io_reply(int(lane.req_id), results)
 
+    def _failure(self, row: Any, i: int, write: bool, tensor_id: int, offset: int, nbytes: int) -> str:
+        """The message the general path gives for the same failure."""
+        if row.path == lib.BD_PATH_DIRECT:
+            # the transfer's own account, as ExtentKPUStore words it
+            err = transfer_error(self.c.xfers[i], self.ch.engine.describe_target)
+            return f"direct {'write' if write else 'read'} of {self.sess.plan.kpu(tensor_id).name}: {err}"
+        # only a pwrite fails on the page-cache path (a read copies from the mapping)
+        store = self.sess.pagecache
+        assert store is not None
+        f = store.file(tensor_id)
+        return range_failure(write, f.name, f.write_error(row.err, offset, nbytes))
 
-__all__ = ["PageCacheLane"]
+
+__all__ = ["Lane"]

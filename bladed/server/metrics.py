@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import MetricsHandler
 
 from bladed import __version__
+from bladed._uring import lib
 from bladed.protocol import NO_HIT, PROTOCOL_VERSION, ServedRow
 from bladed.residency.planner import KVPath
 
@@ -33,10 +34,11 @@ log = logging.getLogger(__name__)
 #: latency buckets in seconds: 20 us .. 10 s, covering a 4 KiB append to a 100+ MiB KPU
 LATENCY_BUCKETS = (2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
-#: the same bounds in ns, for the page-cache lane's C counters (``bd_lane_counters``)
+#: the same bounds in ns, for the lane's C counters (``bd_lane_counters``)
 LATENCY_BOUNDS_NS = tuple(round(b * 1e9) for b in LATENCY_BUCKETS)
 PATHS = tuple(p.value for p in KVPath)
 _PAGECACHE = KVPath.PAGECACHE.value
+_DIRECT = KVPath.DIRECT.value
 OPS = ("read", "write")
 
 
@@ -81,7 +83,7 @@ class Stats:
         self.io = {(p, o): PathCounters() for p in PATHS for o in OPS}
         self.pagecache_read_bytes = 0
         self.pagecache_hit_bytes = 0.0
-        #: the live channels, whose page-cache lanes' C counters (``bd_lane_counters``) are added when read
+        #: the live channels, whose lanes' C counters (``bd_lane_counters``) are added when read
         self._lanes: set[Any] = set()
         self.trimmed_bytes = 0
         #: Write Zeroes on teardown (devices without zeroes after deallocate, or device.zero_freed = "always")
@@ -132,7 +134,7 @@ class Stats:
                     self.pagecache_hit_bytes += hit
 
     def watch_lane(self, channel: Any) -> None:
-        """Count what a channel's page-cache lane serves (``channel.counters``, C memory the channel owns: read
+        """Count what a channel's lane serves (``channel.counters``, C memory the channel owns: read
         when asked) until :meth:`fold_lane`.  From the channel's making, so a fold always comes after."""
         with self._lock:
             self._lanes.add(channel)
@@ -209,16 +211,18 @@ class Stats:
 
 
 def _add_lane(io: dict[tuple[str, str], PathCounters], c: Any, read: int, hit: float) -> tuple[int, float]:
-    """Add a lane's C counters (index 0 read, 1 write) to ``io``; returns the page-cache read/hit bytes plus its."""
-    for i, op in enumerate(OPS):
-        pc = io[(_PAGECACHE, op)]
-        pc.ops += c.ops[i]
-        pc.bytes += c.bytes[i]
-        pc.errors += c.errors[i]
-        pc.latency_sum_s += c.latency_ns[i] / 1e9
-        row = c.buckets[i]
-        for b in range(len(pc.buckets)):
-            pc.buckets[b] += row[b]
+    """Add a lane's C counters (per path, ``enum bd_gate_path``; per op, index 0 read, 1 write) to ``io``;
+    returns the page-cache read/hit bytes plus its."""
+    for p, path in ((lib.BD_PATH_PAGECACHE, _PAGECACHE), (lib.BD_PATH_DIRECT, _DIRECT)):
+        for i, op in enumerate(OPS):
+            pc = io[(path, op)]
+            pc.ops += c.ops[p][i]
+            pc.bytes += c.bytes[p][i]
+            pc.errors += c.errors[p][i]
+            pc.latency_sum_s += c.latency_ns[p][i] / 1e9
+            row = c.buckets[p][i]
+            for b in range(len(pc.buckets)):
+                pc.buckets[b] += row[b]
     return read + c.pagecache_read_bytes, hit + c.pagecache_hit_bytes
 
 

@@ -71,8 +71,10 @@ class LiveState:
         #: tokens ``[0, filled[t])`` of tensor ``t`` were written by the general path (:meth:`filled_to`
         #: adds the lane's)
         self.filled: dict[int, int] = {}
-        #: the page-cache lane's gates (``bladed.server.gates``)
+        #: the lane's gates (``bladed.server.gates``)
         self.gates = KPUGates(2 * sess.geometry.layers)
+        #: demotions carried out so far: a lane offers every KPU to :meth:`open_lane_gates` again when it changes
+        self.lane_epoch = 0
         self.demoted_kpus = 0
         self.demoted_bytes = 0
         self.failed = 0
@@ -88,28 +90,36 @@ class LiveState:
         return max(self.filled.get(tensor_id, 0), self.gates.filled(tensor_id))
 
     def open_lane_gates(self, candidates: set[int]) -> None:
-        """Open the gates of those of ``candidates`` the page-cache lane may serve now, and drop from the set
-        every tensor id that needs no more tries (its gate is open, or the KPU left the plain page-cache path
-        for good: demotions never come back).
+        """Open the gates of those of ``candidates`` the lane may serve now, and drop from the set every tensor
+        id that needs no more tries (its gate is open, or the KPU can never be served by the lane).
 
-        The lane may serve plain page-cache KPUs (not dropped after use) whose files exist, with no demotion
-        pending or under way, of a session without checksums that is not closing.  The caller holds a
+        The lane may serve, of a session without checksums that is not closing, plain page-cache KPUs (not
+        dropped after use) whose files exist, with no demotion pending or under way; and direct KPUs of token
+        rows of whole LBAs once bound and used on the extent.  A demotion done bumps :attr:`lane_epoch`: the
+        lanes offer every KPU again (the demoted one may open on the direct path).  The caller holds a
         channel lock, so :meth:`KPUGates.seal` (which holds them all) cannot be under way.
         """
         sess = self.sess
-        store = sess.pagecache
+        pagecache, extent = sess.pagecache, sess.extent_store
         gates = self.gates
         with self._lock:
-            if sess.closing or sess.checksums is not None or store is None or gates.sealed:
+            if sess.closing or sess.checksums is not None or gates.sealed or pagecache is None or extent is None:
                 candidates.clear()
                 return
             plan = sess.plan
             for t in list(candidates):
                 k = plan.kpu(t)
-                if gates.is_open(t) or k.path is not KVPath.PAGECACHE or k.drop_after_use or not store.holds(t):
+                if gates.is_open(t):
+                    candidates.discard(t)
+                elif k.path is KVPath.DIRECT:
+                    # packed rows never (their edges are the extent store's); whole-LBA rows once bound and used
+                    if not plan.aligned or (extent.holds(t) and extent.map.is_materialized(t)
+                                            and gates.open_direct(t, extent.map.lookup(t)[0], k.nbytes)):
+                        candidates.discard(t)
+                elif k.drop_after_use or not pagecache.holds(t):
                     candidates.discard(t)
                 elif t not in self.pending and t not in self._moving:
-                    f = store.file(t)
+                    f = pagecache.file(t)
                     if f.materialized and gates.open(t, f.fd, f.address, f.nbytes):
                         candidates.discard(t)
 
@@ -190,7 +200,7 @@ class LiveState:
             self._moving.add(tensor_id)
             while tensor_id in self._inflight:
                 self._cond.wait()
-        self.gates.drain(tensor_id)      # and the page-cache lane's (closed when it was scheduled)
+        self.gates.drain(tensor_id)      # and the lane's (closed when it was scheduled)
         try:
             if self.replanner is not None and not self.sess.closing:
                 self.replanner.carry_out(self.sess, new, channel)
@@ -210,6 +220,7 @@ class LiveState:
         with self._cond:
             self.demoted_kpus += 1
             self.demoted_bytes += nbytes
+            self.lane_epoch += 1
             if not self.pending and not (self._moving - {kpu.tensor_id}):
                 self.target = None
 

@@ -137,6 +137,7 @@ class Session:
             "extent": None if ext is None else {"start": ext.start, "nblocks": ext.nblocks},
             "ops": sum(c.ops for c in self.channels),
             "busy_s": sum(c.busy_ns for c in self.channels) / 1e9,
+            "lane_requests": sum(c.lane_requests for c in self.channels),
             "attached": len(self._attached),
         } | self.live.to_dict()
 
