@@ -119,7 +119,7 @@ class Lane:
         (valid until the next call), or the reply frame of a request the lane ran in which a range failed.
 
         Raises as :meth:`FrameStream.read` does when the connection ends or breaks, OSError when a reply
-        cannot be sent."""
+        cannot be sent or the channel's ring failed (the connection ends)."""
         r = lib.bd_lane_run(self.c)
         if r == 0:
             return self.stream.frame()
