@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from daemon_util import DaemonProcess, short_tmpdir
 
-from bladed.client import Client
+from bladed.client import Client, OpResult, Session
 from bladed.protocol import MIRROR, FrameError, FrameStream, IOOp, IORange, OutOfRangeError
 
 #: 4 KiB token rows, 4 layers, 8 tokens: 32 KiB KPUs
@@ -41,33 +41,43 @@ def lane_requests(c: Client) -> int:
     return int(row["lane_requests"])
 
 
+def round_trip_every_token(s: Session) -> tuple[list[OpResult], list[OpResult]]:
+    """Append every token of every KPU, one range per request, then read each back and compare, as a decode loop
+    does them; the write and the read results."""
+    slot = s.slot(0)
+    want = {}
+    writes = []
+    for t in range(8):
+        for layer in range(4):
+            for kind in "kv":
+                row = os.urandom(TB)
+                slot[t * TB:(t + 1) * TB] = row
+                writes.append(s.write(layer, kind, 0, t, 1))
+                want[(layer, kind, t)] = row
+    slot[:] = bytes(len(slot))
+    reads = []
+    for (layer, kind, t), row in want.items():
+        reads.append(s.read(layer, kind, 0, t, 1))
+        assert bytes(slot[t * TB:(t + 1) * TB]) == row, (layer, kind, t)
+    return writes, reads
+
+
 def test_one_token_appends_read_back_and_are_counted(daemon: DaemonProcess) -> None:
     """Appends and reads of every token of every KPU, one range per request, as a decode loop does them."""
     with Client(daemon.socket_path) as c:
         before = pagecache_io(c)
         with c.open_session(GEO, channels=1) as s:
             assert {k["path"] for k in s.plan["kpus"]} == {"pagecache"}
-            slot = s.slot(0)
-            want = {}
-            for t in range(8):
-                for layer in range(4):
-                    for kind in "kv":
-                        row = os.urandom(TB)
-                        slot[t * TB:(t + 1) * TB] = row
-                        s.write(layer, kind, 0, t, 1)
-                        want[(layer, kind, t)] = row
-            slot[:] = bytes(len(slot))
-            for (layer, kind, t), row in want.items():
-                r = s.read(layer, kind, 0, t, 1)
-                assert bytes(slot[t * TB:(t + 1) * TB]) == row, (layer, kind, t)
+            _, reads = round_trip_every_token(s)
+            for r in reads:
                 assert (r.path, r.hit_ratio) == ("pagecache", 1.0)      # just written: resident
             (row,) = c.sessions()
-            assert row["ops"] == 2 * len(want)
+            assert row["ops"] == 2 * len(reads)
             during = pagecache_io(c)
         after = pagecache_io(c)
     for op in ("write", "read"):
-        assert during[op]["ops"] - before[op]["ops"] == len(want)
-        assert during[op]["bytes"] - before[op]["bytes"] == len(want) * TB
+        assert during[op]["ops"] - before[op]["ops"] == len(reads)
+        assert during[op]["bytes"] - before[op]["bytes"] == len(reads) * TB
         assert after[op]["ops"] == during[op]["ops"]     # kept once the session (and its lane) is gone
         assert after[op]["latency_sum_s"] > 0
 
@@ -79,26 +89,16 @@ def test_direct_appends_run_on_the_lane_read_back_and_are_counted(daemon: Daemon
         before = c.stats()["io"]["direct"]
         with c.open_session(GEO, mode="direct", channels=1) as s:
             assert {k["path"] for k in s.plan["kpus"]} == {"direct"}
-            slot = s.slot(0)
-            want = {}
-            for t in range(8):
-                for layer in range(4):
-                    for kind in "kv":
-                        row = os.urandom(TB)
-                        slot[t * TB:(t + 1) * TB] = row
-                        assert s.write(layer, kind, 0, t, 1).path == "direct"
-                        want[(layer, kind, t)] = row
-            slot[:] = bytes(len(slot))
-            for (layer, kind, t), row in want.items():
-                r = s.read(layer, kind, 0, t, 1)
-                assert bytes(slot[t * TB:(t + 1) * TB]) == row, (layer, kind, t)
+            writes, reads = round_trip_every_token(s)
+            assert {w.path for w in writes} == {"direct"}
+            for r in reads:
                 assert (r.path, r.nbytes, r.hit_ratio) == ("direct", TB, None)
-            assert lane_requests(c) == 2 * len(want) - 8      # each KPU's first request bound it, in Python
+            assert lane_requests(c) == 2 * len(reads) - 8      # each KPU's first request bound it, in Python
             during = c.stats()["io"]["direct"]
         after = c.stats()["io"]["direct"]
     for op in ("write", "read"):
-        assert during[op]["ops"] - before[op]["ops"] == len(want)
-        assert during[op]["bytes"] - before[op]["bytes"] == len(want) * TB
+        assert during[op]["ops"] - before[op]["ops"] == len(reads)
+        assert during[op]["bytes"] - before[op]["bytes"] == len(reads) * TB
         assert after[op]["ops"] == during[op]["ops"]     # kept once the session (and its lane) is gone
 
 

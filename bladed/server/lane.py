@@ -103,9 +103,10 @@ class Lane:
         self.c = lane
         #: frames in and out: the same C stream the lane reads through
         self.stream = FrameStream(sock, into=ffi.addressof(lane, "stream"))
-        #: the KPUs whose gates may still open (LiveState.open_lane_gates decides, and prunes it)
-        self._candidates = {k.tensor_id for k in sess.plan.kpus}
-        self._epoch = sess.live.lane_epoch
+        #: the KPUs whose gates may still open (LiveState.open_lane_gates decides, and prunes it); refresh fills
+        #: it with every KPU whenever the demotions done (LiveState.lane_epoch) differ from this
+        self._candidates: set[int] = set()
+        self._epoch = -1
         self._served_before = ch.lane_requests
         self.refresh()
 
@@ -130,7 +131,7 @@ class Lane:
     def refresh(self) -> None:
         """Open the gates that can open now (after the general path made a KPU's file or bound its LBAs)."""
         live = self.sess.live
-        if live.lane_epoch != self._epoch:       # a demotion done: the demoted KPU may open on the direct path
+        if live.lane_epoch != self._epoch:       # (again after a demotion: the KPU may open on the direct path)
             self._epoch = live.lane_epoch
             self._candidates = {k.tensor_id for k in self.sess.plan.kpus}
         if self._candidates:
