@@ -14,7 +14,10 @@ drift of the shared disk does not line up with one limit or configuration.
 Every run starts cold: ``sync; echo 3 > /proc/sys/vm/drop_caches``, a wait
 until the disk has been idle for 0.5 s (at most 20 s: ext4 mounted with
 ``discard`` sends the discards of the blocks the previous teardown freed
-after the sync), then a fresh memory cgroup with the limit, a fresh server
+after the sync), a wait until free page reporting has handed the freed
+memory back to the host (on a VM that has it: touching a reported page costs
+a host fault, so without the wait a run is warmer or colder depending on
+what the previous one freed), then a fresh memory cgroup with the limit, a fresh server
 process placed in it (the bladed daemon, or the Baseline's TorchDisk child),
 the workload, and teardown.
 """
@@ -39,9 +42,11 @@ from bladed_bench.metrics import (
     DiskSampler,
     block_device_of,
     latency_stats,
+    reported_kib,
     rss_bytes,
     union_seconds,
     wait_device_idle,
+    wait_free_pages_reported,
 )
 from bladed_bench.repo import REPO
 from bladed_bench.workload import (
@@ -148,6 +153,7 @@ def machine_info(workdir: str) -> dict[str, Any]:
     return environment.machine_info() | {
         "fio": probes.fio_version(), "disk": environment.disk_info(block_device_of(workdir)),
         "filesystem": environment.filesystem_of(workdir), "git_commit": git["commit"], "git_dirty": git["dirty"],
+        "free_page_reporting": reported_kib() is not None,
     }
 
 
@@ -276,6 +282,7 @@ class SweepRunner:
         rec["drop_caches_s"] = drop_caches() if self._drop_ok else None
         rec["cold"] = self._drop_ok
         rec["settle_s"], rec["settled"] = self.settle()
+        rec["memory_settle_s"], rec["memory_settled"], rec["memory_reported_kib"] = self.settle_memory()
         cg = MemCgroup(p.limit_bytes) if os.geteuid() == 0 else None
         target: KVTarget | None = None
         sampler: DiskSampler | None = None
@@ -332,6 +339,13 @@ class SweepRunner:
             return None, None
         return wait_device_idle(self.sysdir)
 
+    def settle_memory(self) -> tuple[float | None, bool | None, int | None]:
+        """Let free page reporting hand what the previous run freed back to the host (see
+        :func:`wait_free_pages_reported`), so every run starts equally cold."""
+        if not self.plan.settle:
+            return None, None, None
+        return wait_free_pages_reported()
+
     def round_probes(self, device: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         if not device:
@@ -341,6 +355,7 @@ class SweepRunner:
         if self._drop_ok:
             drop_caches()
         out["settle_s"], out["settled"] = self.settle()
+        out["memory_settle_s"], out["memory_settled"], out["memory_reported_kib"] = self.settle_memory()
         try:
             out["fio"] = probes.fio_seq(d, self.plan.fio_size)
         except (OSError, RuntimeError, ValueError, KeyError) as e:
