@@ -15,8 +15,9 @@ import pathlib
 
 import pytest
 
+from bladed_bench import metrics
 from bladed_bench.main import main
-from bladed_bench.metrics import percentile, summarize, union_seconds
+from bladed_bench.metrics import percentile, summarize, union_seconds, wait_free_pages_reported
 from bladed_bench.workload import CONFIGS
 
 TINY = ["--layers", "4", "--batch", "1", "--kv-heads", "4", "--head-dim", "512", "--prompt-len", "32",
@@ -32,6 +33,17 @@ def test_statistics_helpers() -> None:
     s = summarize([2.0, 1.0, 4.0, None])
     assert s["n"] == 3 and s["median"] == 2.0 and s["min"] == 1.0 and s["max"] == 4.0
     assert s["spread_pct"] == pytest.approx(150.0)
+
+
+def test_memory_settle_waits_for_a_quiet_reporting_counter(tmp_path: pathlib.Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = tmp_path / "reported_kib"
+    monkeypatch.setattr(metrics, "PAGE_REPORTING_COUNTER", str(counter))
+    # a host without free page reporting: nothing to wait for, and the run record says so
+    assert wait_free_pages_reported(quiet_s=0.05) == (None, None, None)
+    counter.write_text("1024\n")
+    waited, quiet, kib = wait_free_pages_reported(quiet_s=0.2, poll_s=0.05)
+    assert quiet is True and kib == 0 and waited is not None and waited >= 0.2
 
 
 def test_sweep_end_to_end(store_dir: str, tmp_path: pathlib.Path) -> None:
