@@ -173,7 +173,8 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     s.add_argument("--keep-series", choices=("all", "lowest", "none"), default="lowest")
     s.add_argument("--no-drop", action="store_true", help="do not drop caches between runs")
     s.add_argument("--no-settle", action="store_true",
-                   help="do not wait for the disk to go idle (writeback, discards) before every run")
+                   help="do not wait for the disk to go idle (writeback, discards), nor for free page "
+                        "reporting to hand freed memory back to the host, before every run")
     s.add_argument("--json", help="output JSON (default docs/bench/kv-sweep-<UTC date>.json)")
     s.add_argument("--report", help="also write the Markdown report (and PNGs next to it) here")
     s.set_defaults(fn=cmd_sweep)
