@@ -93,7 +93,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
                          alpha_dma=a.alpha_dma, noreplan_limits=[int(x * GiB) for x in a.noreplan_limits])
     plan = SweepPlan(spec=spec, points=pts, reps=a.reps, workdir=a.workdir, fio_size=a.fio_size,
                      pc_probe_size=a.pc_probe_size, drop=not a.no_drop, keep_series=a.keep_series,
-                     settle=not a.no_settle,
+                     settle=not a.no_settle, memory_settle=not a.no_memory_settle,
                      notes={"argv": sys.argv[1:]})
     if os.geteuid() != 0:
         print("warning: not root: no memory cgroups (the limits are not applied) and caches are not dropped",
@@ -175,6 +175,8 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     s.add_argument("--no-settle", action="store_true",
                    help="do not wait for the disk to go idle (writeback, discards), nor for free page "
                         "reporting to hand freed memory back to the host, before every run")
+    s.add_argument("--no-memory-settle", action="store_true",
+                   help="wait for the disk only, not for free page reporting (the sweeps before 2026-11-24T0457Z)")
     s.add_argument("--json", help="output JSON (default docs/bench/kv-sweep-<UTC date>.json)")
     s.add_argument("--report", help="also write the Markdown report (and PNGs next to it) here")
     s.set_defaults(fn=cmd_sweep)

@@ -97,6 +97,7 @@ class SweepPlan:
     sample_interval: float = 0.1
     keep_series: str = "lowest"   # all | lowest | none: which runs keep their device time series
     settle: bool = True           # wait for the device to go idle before every run and probe
+    memory_settle: bool = True    # and for free page reporting to go quiet (with settle)
     store_bytes: int = 0          # the daemon's store file (0: KV set + 256 MiB)
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -342,7 +343,7 @@ class SweepRunner:
     def settle_memory(self) -> tuple[float | None, bool | None, int | None]:
         """Let free page reporting hand what the previous run freed back to the host (see
         :func:`wait_free_pages_reported`), so every run starts equally cold."""
-        if not self.plan.settle:
+        if not (self.plan.settle and self.plan.memory_settle):
             return None, None, None
         return wait_free_pages_reported()
 
@@ -376,7 +377,8 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
         "workload": spec.to_dict(),
         "plan": {"reps": plan.reps, "points": [p.__dict__ for p in plan.points], "workdir": plan.workdir,
                  "fio_size": plan.fio_size, "pc_probe_size": plan.pc_probe_size, "cold_runs": runner._drop_ok,
-                 "cgroups": os.geteuid() == 0, "settle": plan.settle, "order": "williams",
+                 "cgroups": os.geteuid() == 0, "settle": plan.settle,
+                 "memory_settle": plan.settle and plan.memory_settle, "order": "williams",
                  "sample_interval": plan.sample_interval, "notes": plan.notes},
         "rounds": [], "runs": [], "reference": {},
     }
