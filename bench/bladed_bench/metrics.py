@@ -126,25 +126,38 @@ class DiskSampler:
         return out
 
 
-def wait_device_idle(sysdir: str, quiet_s: float = 0.5, timeout_s: float = 20.0,
-                     poll_s: float = 0.1) -> tuple[float, bool]:
-    """Wait until the device has had no request in flight for ``quiet_s`` (io_ticks and the in-flight
-    count unchanged), e.g. for the discards that ext4's ``discard`` option sends after a teardown freed
-    blocks.  Returns (seconds waited, whether it became idle before ``timeout_s``)."""
+def _wait_quiet(active: Callable[[], bool], quiet_s: float, timeout_s: float,
+                poll_s: float) -> tuple[float, bool]:
+    """Poll ``active`` (was there activity since its last call?) until it has said no for ``quiet_s``.
+    Returns (seconds waited, whether that happened before ``timeout_s``)."""
     t0 = time.monotonic()
-    last = DiskStat.read(sysdir)
     quiet_since = t0
     while True:
         time.sleep(poll_s)
         now = time.monotonic()
-        cur = DiskStat.read(sysdir)
-        if cur.io_ticks_ms != last.io_ticks_ms or cur.in_flight:
+        if active():
             quiet_since = now
         elif now - quiet_since >= quiet_s:
             return now - t0, True
         if now - t0 >= timeout_s:
             return now - t0, False
+
+
+def wait_device_idle(sysdir: str, quiet_s: float = 0.5, timeout_s: float = 20.0,
+                     poll_s: float = 0.1) -> tuple[float, bool]:
+    """Wait until the device has had no request in flight for ``quiet_s`` (io_ticks and the in-flight
+    count unchanged), e.g. for the discards that ext4's ``discard`` option sends after a teardown freed
+    blocks.  Returns (seconds waited, whether it became idle before ``timeout_s``)."""
+    last = DiskStat.read(sysdir)
+
+    def active() -> bool:
+        nonlocal last
+        cur = DiskStat.read(sysdir)
+        busy = cur.io_ticks_ms != last.io_ticks_ms or bool(cur.in_flight)
         last = cur
+        return busy
+
+    return _wait_quiet(active, quiet_s, timeout_s, poll_s)
 
 
 # Free page reporting (virtio-balloon VIRTIO_BALLOON_F_REPORTING) hands free guest pages back to the
@@ -173,18 +186,16 @@ def wait_free_pages_reported(quiet_s: float = 4.0, timeout_s: float = 60.0,
     first = reported_kib()
     if first is None:
         return None, None, None
-    t0 = time.monotonic()
-    last, quiet_since = first, t0
-    while True:
-        time.sleep(poll_s)
-        now = time.monotonic()
+    last = first
+
+    def active() -> bool:
+        nonlocal last
         cur = reported_kib() or 0
-        if cur != last:
-            last, quiet_since = cur, now
-        elif now - quiet_since >= quiet_s:
-            return now - t0, True, cur - first
-        if now - t0 >= timeout_s:
-            return now - t0, False, cur - first
+        moved, last = cur != last, cur
+        return moved
+
+    waited, quiet = _wait_quiet(active, quiet_s, timeout_s, poll_s)
+    return waited, quiet, last - first
 
 
 # -- processes -----------------------------------------------------------------------

@@ -101,6 +101,10 @@ class SweepPlan:
     store_bytes: int = 0          # the daemon's store file (0: KV set + 256 MiB)
     notes: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def settles_memory(self) -> bool:
+        return self.settle and self.memory_settle
+
     def rounds(self) -> list[tuple[tuple[str, int | None, float | None], list[Point]]]:
         out: dict[tuple[str, int | None, float | None], list[Point]] = {}
         for p in self.points:
@@ -282,8 +286,7 @@ class SweepRunner:
                                "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         rec["drop_caches_s"] = drop_caches() if self._drop_ok else None
         rec["cold"] = self._drop_ok
-        rec["settle_s"], rec["settled"] = self.settle()
-        rec["memory_settle_s"], rec["memory_settled"], rec["memory_reported_kib"] = self.settle_memory()
+        rec.update(self.settle())
         cg = MemCgroup(p.limit_bytes) if os.geteuid() == 0 else None
         target: KVTarget | None = None
         sampler: DiskSampler | None = None
@@ -334,18 +337,18 @@ class SweepRunner:
                                  trace.t_decode_start - t0, "end": trace.t_end - t0}
         return rec
 
-    def settle(self) -> tuple[float | None, bool | None]:
-        """Let the device finish what the previous run left (writeback, discards of freed blocks)."""
-        if not self.plan.settle or self.sysdir is None:
-            return None, None
-        return wait_device_idle(self.sysdir)
-
-    def settle_memory(self) -> tuple[float | None, bool | None, int | None]:
-        """Let free page reporting hand what the previous run freed back to the host (see
-        :func:`wait_free_pages_reported`), so every run starts equally cold."""
-        if not (self.plan.settle and self.plan.memory_settle):
-            return None, None, None
-        return wait_free_pages_reported()
+    def settle(self) -> dict[str, Any]:
+        """Let the device finish what the previous run left (writeback, discards of freed blocks), then let
+        free page reporting hand what it freed back to the host (:func:`wait_free_pages_reported`), so
+        every run starts equally cold.  The record's fields of both waits (None: not waited)."""
+        disk: tuple[float | None, bool | None] = (None, None)
+        memory: tuple[float | None, bool | None, int | None] = (None, None, None)
+        if self.plan.settle and self.sysdir is not None:
+            disk = wait_device_idle(self.sysdir)
+        if self.plan.settles_memory:
+            memory = wait_free_pages_reported()
+        return {"settle_s": disk[0], "settled": disk[1], "memory_settle_s": memory[0],
+                "memory_settled": memory[1], "memory_reported_kib": memory[2]}
 
     def round_probes(self, device: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
@@ -355,8 +358,7 @@ class SweepRunner:
         os.makedirs(d, exist_ok=True)
         if self._drop_ok:
             drop_caches()
-        out["settle_s"], out["settled"] = self.settle()
-        out["memory_settle_s"], out["memory_settled"], out["memory_reported_kib"] = self.settle_memory()
+        out.update(self.settle())
         try:
             out["fio"] = probes.fio_seq(d, self.plan.fio_size)
         except (OSError, RuntimeError, ValueError, KeyError) as e:
@@ -378,7 +380,7 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
         "plan": {"reps": plan.reps, "points": [p.__dict__ for p in plan.points], "workdir": plan.workdir,
                  "fio_size": plan.fio_size, "pc_probe_size": plan.pc_probe_size, "cold_runs": runner._drop_ok,
                  "cgroups": os.geteuid() == 0, "settle": plan.settle,
-                 "memory_settle": plan.settle and plan.memory_settle, "order": "williams",
+                 "memory_settle": plan.settles_memory, "order": "williams",
                  "sample_interval": plan.sample_interval, "notes": plan.notes},
         "rounds": [], "runs": [], "reference": {},
     }
