@@ -230,6 +230,41 @@ def test_demotion_appends_after_the_last_tensor() -> None:
         tight.add(r.demoted[0])
 
 
+@settings(max_examples=200)
+@given(g=geometries, lba=st.sampled_from([512, 4096]), frac=st.floats(0, 1), start=st.integers(1, 10**6),
+       moved_to=st.integers(0, 10**6), data=st.data())
+def test_demotions_bind_inside_the_extent_they_are_given(g: Geometry, lba: int, frac: float, start: int,
+                                                         moved_to: int, data: st.DataObject) -> None:
+    """Whatever the session opened with (an extent or none), every KPU a demotion binds lies inside the
+    extent the map was last given (place: allocated, grown in place; relocate: moved), back to back."""
+    plan = plan_session(g, Mode.DUALBLADE, int(g.kv_bytes * frac), lba)
+    opened = Extent(start, plan.extent_blocks, "s") if plan.extent_blocks else None
+    m = ExtentMap(plan, opened)
+    r = replan(plan, 0)
+    for k in r.demoted:
+        if m.blocks_short(k.padded_bytes // lba):
+            ext = m.extent
+            extra = m.blocks_short(k.padded_bytes // lba) + data.draw(st.integers(0, 3))
+            if ext is None:
+                m.place(Extent(start, extra, "s"))
+            elif data.draw(st.booleans()):
+                m.place(Extent(ext.start, ext.nblocks + extra, "s"))          # grown in place
+            else:
+                with pytest.raises(ValueError, match="does not continue"):
+                    m.place(Extent(ext.start + 1, ext.nblocks + extra, "s"))
+                m.relocate(Extent(moved_to, ext.nblocks + extra, "s"))        # moved to a larger run
+        m.add(k)
+        m.check()
+        final = m.extent
+        assert final is not None
+        for t in m:
+            s0, n = m.lookup(t)
+            assert final.start <= s0 and s0 + n <= final.end, (t, s0, n, final)
+    assert len(m) == len(plan.kpus)
+    held = m.extent
+    assert m.release() == held and m.extent is None
+
+
 # -- Algorithm 2 -------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -291,7 +291,7 @@ class ExtentMap:
     def __init__(self, plan: Plan, extent: Extent | None) -> None:
         self.plan = plan
         self.lba_size = plan.lba_size
-        self.extent = extent
+        self._extent = extent
         self._entries: dict[int, tuple[int, int]] = {}
         self._kpus: dict[int, KPU] = {}
         self._materialized: set[int] = set()
@@ -315,10 +315,68 @@ class ExtentMap:
         if self.extent is None or start + nblocks > self.extent.end:
             raise ValueError(f"tensor {kpu.tensor_id} ({nblocks} blocks) does not fit the session extent "
                              f"{self.extent!r}; allocate plan.reserve_blocks to allow demotions")
+        if start < self.extent.start:   # only place() moves _next: an extent given any other way is a bug
+            raise AssertionError(f"tensor {kpu.tensor_id} would start at LBA {start}, before {self.extent!r}")
         self._entries[kpu.tensor_id] = (start, nblocks)           # Eq. 3-4
         self._kpus[kpu.tensor_id] = kpu
         self._next = start + nblocks                              # Eq. 6
         return start, nblocks
+
+    @property
+    def extent(self) -> Extent | None:
+        """The session's run of the region (None: no direct KPU yet, or released by :meth:`release`)."""
+        return self._extent
+
+    def place(self, extent: Extent) -> None:
+        """Hand the map its extent: the first one sets where binding starts (Eq. 6's first ``lba_start``);
+        a later one must be the same run grown in place, still holding every bound tensor.
+
+        The one way an extent reaches a map after construction (a live demotion's new or grown room), so
+        that no KPU is ever bound outside the extent the daemon reports for the session.
+        """
+        with self._lock:
+            old = self._extent
+            if old is None and not self._entries:
+                self._next = extent.start
+            elif old is None or extent.start != old.start or extent.end < self._next:
+                raise ValueError(f"extent {extent!r} does not continue {old!r} (tensors bound up to LBA {self._next})")
+            self._extent = extent
+
+    @property
+    def extent_start(self) -> int:
+        """The first LBA of the extent (ValueError without one)."""
+        ext = self._extent
+        if ext is None:
+            raise ValueError("the map has no extent")
+        return ext.start
+
+    def relocate(self, extent: Extent) -> None:
+        """Move every bound tensor to the same offset in another extent (the session's room was moved
+        because it could not grow in place); the caller has copied their bytes there."""
+        with self._lock:
+            old = self._extent
+            if old is None:
+                raise ValueError("the map has no extent to move")
+            used = self._next - old.start
+            if extent.nblocks < used:
+                raise ValueError(f"extent {extent!r} cannot hold the {used} bound blocks of {old!r}")
+            delta = extent.start - old.start
+            self._entries = {t: (s + delta, n) for t, (s, n) in self._entries.items()}
+            self._next += delta
+            self._extent = extent
+
+    def release(self) -> Extent | None:
+        """Take the extent away (the session's teardown frees it); no tensor is bound after this."""
+        with self._lock:
+            ext, self._extent = self._extent, None
+            return ext
+
+    def blocks_short(self, nblocks: int) -> int:
+        """Blocks the extent lacks for ``nblocks`` more after the last bound tensor (all of them if none)."""
+        with self._lock:
+            if self._extent is None:
+                return nblocks
+            return max(0, self._next + nblocks - self._extent.end)
 
     def add(self, kpu: KPU) -> tuple[int, int]:
         """Bind one more KPU after the last (a live demotion from Group 1)."""
@@ -431,6 +489,7 @@ class ExtentMap:
             assert s1 + n1 <= s2, "disjointness broken"
         if self.extent is not None and prev_end is not None:
             assert prev_end <= self.extent.end, "bound tensors overflow the session extent"
+            assert all(s >= self.extent.start for s, _ in spans), "a tensor bound before the session extent"
 
     def to_dict(self) -> dict[str, Any]:
         return {

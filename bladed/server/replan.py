@@ -12,7 +12,8 @@ whichever comes first.  A demotion waits for the requests in flight on its KPU
 and holds back new ones until it is done.
 
 ``dualblade``: the extent store binds the KPU after the last bound tensor of
-the extent (Eq. 3-6 still hold; the extent grows or is allocated if needed),
+the extent (Eq. 3-6 still hold; the extent is allocated, grown in place or
+moved to a larger run if needed: ``SessionManager.room``),
 maps the channels' edge scratch it needs, and copies the KPU's filled bytes
 from its page-cache file a bounded chunk at a time (the packed layout makes
 the file's bytes the extent's bytes); then the file is dropped and unlinked.
@@ -24,10 +25,11 @@ again.  Nothing is ever promoted back (growth goes to new sessions).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -212,6 +214,31 @@ class LiveState:
                 self._cond.notify_all()
         return self.sess.plan.kpu(tensor_id)
 
+    @contextlib.contextmanager
+    def holding(self, tensor_ids: Iterable[int]) -> Iterator[None]:
+        """No request on any of the KPUs while the block runs (the session's extent moves under them).
+
+        As for a demotion: new requests on them wait (the general path) or go to Python (the lane's gates
+        close), and those in flight finish first.  Ids already moving are another demotion's, left to it.
+        On leaving, a new :attr:`lane_epoch` lets the lanes open the gates again on the KPUs' new LBAs.
+        """
+        with self._cond:
+            mine = [t for t in tensor_ids if t not in self._moving]
+            self._moving.update(mine)
+            for t in mine:
+                self.gates.close(t)
+            while any(t in self._inflight for t in mine):
+                self._cond.wait()
+        try:
+            for t in mine:
+                self.gates.drain(t)
+            yield
+        finally:
+            with self._cond:
+                self._moving.difference_update(mine)
+                self.lane_epoch += 1
+                self._cond.notify_all()
+
     def run_pending(self, tensor_id: int, channel: Channel) -> None:
         """The eager path: the demotion worker, holding ``channel``, demotes the KPU if no request did it first."""
         self.begin(tensor_id, channel, serve=False)
@@ -238,7 +265,8 @@ class LiveReplanner:
         self.manager = manager
         self._budgeter: Budgeter | None = None
         self._lock = threading.Lock()
-        self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0}
+        self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0,
+                      "extents_moved": 0, "moved_bytes": 0}
         self._work: queue.Queue[tuple[Session, int] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         #: Budgeter.stats of the budgeters a reload replaced (so the samples counters never go back)
@@ -335,7 +363,7 @@ class LiveReplanner:
             if sess.plan.mode is Mode.DUALBLADE:
                 filled = live.filled_to(tid) * sess.geometry.token_bytes
                 nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel,
-                                            lambda need: self.manager.room(sess, need))
+                                            lambda need: self.manager.room(sess, need, channel))
                 # drops its clean pages; dirty ones go with the inode, never written back
                 pagecache.detach(tid).close(unlink=True)
             else:
@@ -357,6 +385,12 @@ class LiveReplanner:
             self.stats["demoted_bytes"] += nbytes
         event("kpu_demoted", session=sess.id, kpu=kpu.name, path=kpu.path.value, bytes=nbytes,
               group1_bytes=sess.plan.group1_bytes)
+
+    def moved(self, nbytes: int) -> None:
+        """A session's extent moved to make room for a demotion, copying ``nbytes``."""
+        with self._lock:
+            self.stats["extents_moved"] += 1
+            self.stats["moved_bytes"] += nbytes
 
     def _samples(self, b: Budgeter | None) -> dict[str, int]:
         """Samples (periodic, pressure) and applied changes of B_pc since the daemon started."""

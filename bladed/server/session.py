@@ -43,7 +43,7 @@ from bladed.server.metrics import Stats
 from bladed.server.prefix import PrefixCache
 from bladed.server.replan import LiveReplanner, LiveState
 from bladed.server.state import QUARANTINED, Journal, SessionRecord
-from bladed.server.stores import Access, ExtentKPUStore, PageCacheKPUStore
+from bladed.server.stores import Access, ChannelIO, ExtentKPUStore, PageCacheKPUStore
 from bladed.sizes import PAGE_SIZE, align_up
 
 log = logging.getLogger("bladed.session")
@@ -507,26 +507,99 @@ class SessionManager:
             # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
             extent_store.prepare()
 
-    def journal_session(self, sess: Session) -> None:
-        """Record what the session holds (again after its extent grew), so crash recovery reclaims all of it."""
-        ext = sess.extent
+    def journal_session(self, sess: Session, also: Sequence[Extent] = ()) -> None:
+        """Record what the session holds (again after its extent grew or moved; ``also`` the run it moves to
+        meanwhile), so crash recovery reclaims all of it."""
+        held = [e for e in (sess.extent, *also) if e is not None]
         self.journal.add(SessionRecord(id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=sess.plan.mode.value,
-                                       extents=[(ext.start, ext.nblocks)] if ext else [],
+                                       extents=[(e.start, e.nblocks) for e in held],
                                        pagecache_dir=sess.pagecache.directory if sess.pagecache else ""))
 
-    def room(self, sess: Session, need: int) -> Extent:
-        """The session's extent with ``need`` free blocks after its last bound KPU (a live demotion)."""
+    def room(self, sess: Session, need: int, ch: ChannelIO) -> Extent:
+        """Give the session's extent map room for ``need`` more blocks after its last bound KPU (a live
+        demotion, on channel ``ch``): allocate the session's extent, grow it in place, or move it.
+
+        Room is taken for every demotion still to come in the session's re-plan at once (its target plan's
+        direct KPUs not bound yet), so that sessions demoting in the same pass each get one run instead of
+        interleaving one-KPU runs that none of them can grow; where the region has no such run, just
+        ``need``.  An extent that cannot grow in place (another session's run follows it) moves to a run
+        that holds it and the room: its KPUs are held idle, copied, rebound and the old run scrubbed.
+        Retained prefixes give their blocks back first, as at open.  RegionFullError if there is no room.
+        """
         store = sess.stores()[1]
-        ext = store.extent
-        if ext is None:
-            ext = self.allocator.allocate(need, owner=sess.id)
-        elif store.map.end_lba + need > ext.end:
-            ext = self.allocator.grow(ext, store.map.end_lba + need - ext.end)
-        else:
+        short = store.map.blocks_short(need)
+        old = store.extent
+        if not short:
+            assert old is not None
+            return old
+        target = sess.live.target or sess.plan
+        ahead = sum(k.padded_bytes for k in target.direct_kpus() if k.tensor_id not in store.map) // store.lba
+        wants = sorted({store.map.blocks_short(max(need, ahead)), short}, reverse=True)
+        try:
+            ext = self._take_room(sess.id, old, wants)
+        except RegionFullError:
+            if old is None:
+                raise
+            used = store.map.end_lba - old.start
+            ext = self._take_room(sess.id, None, [used + w for w in wants])
+            self._move_extent(sess, store, old, ext, ch)
             return ext
-        store.map.extent = ext
+        store.map.place(ext)
         self.journal_session(sess)
         return ext
+
+    def _take_room(self, sid: str, ext: Extent | None, wants: list[int]) -> Extent:
+        """A new extent of ``wants[i]`` blocks, or ``ext`` grown in place by them, the first that fits;
+        retained prefixes give their blocks back while none does (live sessions come first)."""
+        while True:
+            for blocks in wants:
+                try:
+                    if ext is None:
+                        return self.allocator.allocate(blocks, owner=sid)
+                    return self.allocator.grow(ext, blocks)
+                except RegionFullError as e:
+                    err = e
+            if not self.prefixes.make_room_device():
+                raise err
+
+    def _move_extent(self, sess: Session, store: ExtentKPUStore, old: Extent, new: Extent, ch: ChannelIO) -> None:
+        """Move the session's KPUs from ``old`` to ``new`` (which holds them and more), then scrub and free
+        ``old``.  The journal holds both runs meanwhile, so a crash mid-move reclaims both."""
+        self.journal_session(sess, also=(new,))
+        token_bytes = sess.geometry.token_bytes
+        try:
+            with sess.live.holding(store.served()):
+                moved = store.move(new, ch, lambda t: sess.live.filled_to(t) * token_bytes)
+        except BaseException:
+            self._scrub_and_free(sess, new)   # part of the copy may be there
+            self.journal_session(sess)
+            raise
+        self._scrub_and_free(sess, old)
+        self.journal_session(sess)
+        self.replanner.moved(moved)
+        event("extent_moved", session=sess.id, old=f"{old.start}+{old.nblocks}", new=f"{new.start}+{new.nblocks}",
+              bytes=moved, kpus=len(store.served()))
+
+    def _scrub_and_free(self, sess: Session, ext: Extent) -> tuple[int, int, bool]:
+        """Paper §IV-B: deallocate a run a session wrote to, plus Write Zeroes where a deallocated block may
+        still read back old data, then give it back to the allocator -- unless it could be neither: then it
+        stays out of use (quarantined, journalled) until a restart scrubs it.  (trimmed, zeroed, freed)."""
+        trimmed, zeroed, safe = scrub(self.device, ext.start, ext.nblocks,
+                                      always_zero=self.cfg.device.zero_freed == "always")
+        self.stats.add("trimmed_bytes", trimmed)
+        self.stats.add("zeroed_bytes", zeroed)
+        if safe:
+            self.allocator.free(ext)
+        else:
+            # never hand out blocks that may still hold this session's bytes
+            log.error("session %s: extent %d+%d could be neither deallocated to zeroes nor zeroed; "
+                      "keeping it out of use until restart", sess.id, ext.start, ext.nblocks)
+            self.stats.add("quarantined_bytes", ext.nblocks * self.device.lba_size)
+            # the next start-up tries the scrub again before the blocks are reused
+            self.journal.add(SessionRecord(id=f"{sess.id}@{ext.start}", uid=sess.peer.uid, pid=sess.peer.pid,
+                                           mode=QUARANTINED,
+                                           extents=[(ext.start, ext.nblocks)]))
+        return trimmed, zeroed, safe
 
     # -- teardown ------------------------------------------------------------------------
     def get(self, sid: str) -> Session | None:
@@ -560,27 +633,13 @@ class SessionManager:
     def _release(self, sess: Session, *, trim: bool) -> int:
         """Give back everything a (possibly half-opened) session holds; returns TRIMmed bytes."""
         trimmed = 0
-        quarantined: tuple[int, int] | None = None
         ext = sess.extent_store.close() if sess.extent_store is not None else None
         if ext is not None:
             if not trim:
                 self.allocator.free(ext)  # a half-opened session never wrote to its extent
             else:
-                # paper §IV-B: Dataset Management deallocate of the session's LBA range on teardown,
-                # plus Write Zeroes where a deallocated block may still read back old data
-                trimmed, zeroed, safe = scrub(self.device, ext.start, ext.nblocks,
-                                              always_zero=self.cfg.device.zero_freed == "always")
-                sess.zeroed_bytes = zeroed
-                if safe:
-                    self.allocator.free(ext)
-                else:
-                    # never hand out blocks that may still hold this session's bytes
-                    log.error("session %s: extent %d+%d could be neither deallocated to zeroes nor zeroed; "
-                              "keeping it out of use until restart", sess.id, ext.start, ext.nblocks)
-                    self.stats.add("quarantined_bytes", ext.nblocks * self.device.lba_size)
-                    quarantined = (ext.start, ext.nblocks)
-                self.stats.add("trimmed_bytes", trimmed)
-                self.stats.add("zeroed_bytes", zeroed)
+                # paper §IV-B: Dataset Management deallocate of the session's LBA range on teardown
+                trimmed, sess.zeroed_bytes, _ = self._scrub_and_free(sess, ext)
         sess.files_removed = sess.pagecache.close() if sess.pagecache is not None else 0
         for c in sess.channels:
             self.stats.fold_lane(c)
@@ -591,12 +650,7 @@ class SessionManager:
             except BufferError:  # a view is still referenced somewhere; freed with it
                 log.debug("session %s: staging mapping still exported", sess.id)
             sess.mapping = None
-        if quarantined is None:
-            self.journal.remove(sess.id)
-        else:
-            # stays in the journal: the next start-up tries the scrub again before the blocks are reused
-            self.journal.add(SessionRecord(id=sess.id, uid=sess.peer.uid, pid=sess.peer.pid, mode=QUARANTINED,
-                                           extents=[quarantined]))
+        self.journal.remove(sess.id)
         return trimmed
 
     def retain(self, sess: Session, body: dict[str, Any]) -> dict[str, Any]:

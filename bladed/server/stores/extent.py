@@ -90,6 +90,8 @@ class ExtentKPUStore(KPUStore):
         self._scratch: list[StagingBuffer | None] = [None] * channels
         self._bounce: list[StagingBuffer | None] = [None] * channels
         self._lock = threading.Lock()
+        #: held by a demotion from binding its KPU to the end of its copy (:meth:`adopt`)
+        self._moving = threading.Lock()
         self.rmw_reads = 0      # edge LBAs read back before a write (writes inside written data)
         self.tail_hits = 0      # edge LBAs served from the tail copy
 
@@ -332,10 +334,10 @@ class ExtentKPUStore(KPUStore):
 
     # -- live demotion -----------------------------------------------------------------------
     def adopt(self, kpu: KPU, source: PageCacheFile, filled: int, ch: ChannelIO,
-              room: Callable[[int], Extent]) -> int:
+              room: Callable[[int], object]) -> int:
         """Move one KPU here from its page-cache file: bind it after the last KPU, copy its ``filled`` bytes.
 
-        ``room(nblocks)`` returns the session's extent with room for ``nblocks``
+        ``room(nblocks)`` gives the map (:meth:`ExtentMap.place`) an extent with room for ``nblocks``
         more blocks after the last bound KPU (allocating or growing it).  An
         earlier try that bound the KPU but failed to copy reuses its LBAs.
         Raises (OSError, BladedIOError, MemoryError, RegionFullError) on failure,
@@ -346,12 +348,13 @@ class ExtentKPUStore(KPUStore):
         with contextlib.ExitStack() as stack:
             # the copy buffer first: no memory refuses the move before any LBA is bound
             buf = stack.enter_context(StagingBuffer(min(align_up(filled, L), BOUNCE_BYTES))) if filled else None
-            with self._lock:
-                if kpu.tensor_id in self.map:
-                    slba = self.map.lookup(kpu.tensor_id)[0]
-                else:
-                    self.map.extent = room(kpu.padded_bytes // L)
-                    slba, _ = self.map.add(kpu)
+            # one move at a time, bind and copy together: room() may move the extent, never under a copy
+            stack.enter_context(self._moving)
+            if kpu.tensor_id in self.map:
+                slba = self.map.lookup(kpu.tensor_id)[0]
+            else:
+                room(kpu.padded_bytes // L)
+                slba, _ = self.map.add(kpu)
             tail = _Tail(fill=filled)
             if buf is not None:
                 per = buf.nbytes
@@ -365,10 +368,38 @@ class ExtentKPUStore(KPUStore):
                     if off + n == filled and filled % L:
                         last = (filled - 1) // L
                         tail.block, tail.data = last, bytearray(buf.view((last - off // L) * L, L))
-        with self._lock:
-            self._kpus[kpu.tensor_id] = kpu
-            self._tails[kpu.tensor_id] = tail
+            with self._lock:
+                self._kpus[kpu.tensor_id] = kpu
+                self._tails[kpu.tensor_id] = tail
         return filled
+
+    def served(self) -> list[int]:
+        """Tensor ids served from the extent now (bound at open, or moved here and copied)."""
+        return list(self._kpus)
+
+    def move(self, extent: Extent, ch: ChannelIO, filled: Callable[[int], int]) -> int:
+        """Copy the written bytes of every KPU served here to the same offset in ``extent``, then rebind the
+        map there (:meth:`ExtentMap.relocate`); returns the bytes copied.
+
+        For a demotion whose room cannot grow in place: :meth:`adopt`'s ``room`` calls this, so no other move
+        runs; the caller holds every served KPU idle (``LiveState.holding``).  ``filled(t)`` is how many
+        bytes of KPU ``t`` either path has written; past them the new run reads zero, as a fresh one does.
+        On failure the map stays on its old extent and the new one may hold part of the copy.
+        """
+        L = self.lba
+        copied = 0
+        with StagingBuffer(BOUNCE_BYTES) as buf:
+            for t in self.served():
+                old, n = self.map.lookup(t)
+                new = extent.start + old - self.map.extent_start
+                nbytes = min(align_up(max(filled(t), self._tails[t].fill), L), n * L)
+                for off in range(0, nbytes, buf.nbytes):
+                    k = min(buf.nbytes, nbytes - off)
+                    ch.engine.read(old + off // L, buf, nbytes=k)
+                    ch.engine.write(new + off // L, buf, nbytes=k)
+                copied += nbytes
+        self.map.relocate(extent)
+        return copied
 
     def assume_written(self, nbytes: int) -> None:
         """Every KPU holds ``nbytes`` written bytes already (a retained prefix rebuilt after a restart): edge LBAs
@@ -392,8 +423,7 @@ class ExtentKPUStore(KPUStore):
                 if b is not None:
                     b.close()
                     bufs[i] = None
-        ext, self.map.extent = self.map.extent, None
-        return ext
+        return self.map.release()
 
 
 __all__ = ["BOUNCE_BYTES", "ExtentKPUStore"]
