@@ -31,6 +31,8 @@ BACKENDS = ("file", "block", "nvme")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "text", "journal")
 PREFIX_SCOPES = ("uid", "group")
+#: shortest fleet secret of the shared tier (characters): 16 random bytes written in hex
+MIN_SECRET_CHARS = 32
 SOCKET_PATH_MAX = 107  # sizeof(sun_path) - 1
 
 
@@ -156,6 +158,9 @@ class PrefixConfig:
     shared_credentials: str = ""
     #: CA certificate file that verifies a rediss:// server ("" = the system's)
     shared_tls_ca: str = ""
+    #: the fleet secret that signs shared-tier values (required with shared_url): a file, not readable by every
+    #: user, whose first line is the current secret and whose optional second line is the previous one (read only)
+    shared_secret_file: str = ""
     #: longest wait for one Redis call; an error or timeout is a miss, and the tier is skipped for 5 s
     shared_timeout_s: float = 0.25
 
@@ -496,6 +501,14 @@ def validate(cfg: Config) -> list[str]:
             path = getattr(pr, key)
             if path and not os.access(path, os.R_OK):
                 p.append(f"prefix.{key}: {path} is not a readable file")
+        if not pr.shared_secret_file:
+            p.append("prefix.shared_secret_file: the shared tier (prefix.shared_url) needs the fleet secret that "
+                     "signs its values; name a file holding one (openssl rand -hex 32 > FILE; chmod 600 FILE)")
+        else:
+            try:
+                read_shared_secrets(pr.shared_secret_file)
+            except ValueError as e:
+                p.append(f"prefix.shared_secret_file: {e}")
     if pr.shared_timeout_s <= 0:
         p.append(f"prefix.shared_timeout_s: must be positive, got {pr.shared_timeout_s}")
     m = cfg.metrics
@@ -511,6 +524,31 @@ def validate(cfg: Config) -> list[str]:
     if cfg.log.format not in LOG_FORMATS:
         p.append(f"log.format: must be one of {', '.join(LOG_FORMATS)}, got {cfg.log.format!r}")
     return p
+
+
+def read_shared_secrets(path: str) -> list[bytes]:
+    """The fleet secrets in ``prefix.shared_secret_file``: ``[current]`` or ``[current, previous]`` (its non-blank
+    lines, stripped); ValueError (one line: the cause and the fix) if the file cannot serve."""
+    fix = "openssl rand -hex 32 > FILE; chmod 600 FILE"
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            raw = f.read(1 << 16)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}; create it ({fix}) or fix its permissions") from None
+    if mode & 0o007:
+        # any local user could forge values every box would serve
+        raise ValueError(f"{path} is open to every user (mode {oct(mode & 0o777)}); chmod 600 it (640 for a group)")
+    lines = [ln.strip() for ln in raw.splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no secret; put one on its first line ({fix})")
+    if len(lines) > 2:
+        raise ValueError(f"{path} has {len(lines)} lines; it holds the current secret and at most the previous one")
+    short = [i + 1 for i, ln in enumerate(lines) if len(ln) < MIN_SECRET_CHARS]
+    if short:
+        raise ValueError(f"{path}: line {short[0]} is shorter than {MIN_SECRET_CHARS} characters; use a random "
+                         f"secret ({fix})")
+    return lines
 
 
 def group_id(group: str) -> int:

@@ -196,7 +196,10 @@ def shared_run(lm: LoadedModel, base: str, args: argparse.Namespace, device: str
     import redis
 
     server = RedisServer(base)
-    extra = {"prefix": {"shared_url": server.url}}
+    secret = os.path.join(base, "shared-secret")    # the fleet secret that signs the tier's values (mode 0600)
+    with os.fdopen(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    extra = {"prefix": {"shared_url": server.url, "shared_secret_file": secret}}
     a = BenchDaemon(os.path.join(base, "shared-a"), store_bytes=args.store_gib << 30, extra=extra)
     b = BenchDaemon(os.path.join(base, "shared-b"), store_bytes=args.store_gib << 30, extra=extra)
     doc = text_of(lm.tokenizer, args.doc_tokens, 3, "doc")

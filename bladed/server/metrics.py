@@ -243,7 +243,8 @@ _COUNTERS = (
     ("prefix_retained", "Prefixes retained"),
     ("prefix_shared_hits", "Sessions that found their prefix on the shared tier (Redis)"),
     ("prefix_shared_published", "Retained prefix blocks published to the shared tier"),
-    ("prefix_shared_rejected", "Shared-tier blocks that did not verify (truncated or corrupt): misses"),
+    ("prefix_shared_rejected", "Shared-tier blocks refused: corrupt, truncated, or not signed for their key "
+                               "and position (swapped, copied, forged, old secret): misses"),
     ("prefix_shared_errors", "Shared-tier calls that failed or timed out: misses"),
 )
 #: the LABELLED counters: stat -> (metric, help)

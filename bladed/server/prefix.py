@@ -55,7 +55,7 @@ from bladed.server.events import Peer, event
 from bladed.server.integrity import row_crcs
 from bladed.server.lifecycle import scrub
 from bladed.server.metrics import Stats
-from bladed.server.shared_tier import SharedTier, block_key
+from bladed.server.shared_tier import SharedTier, chain_refs
 from bladed.server.state import READY, WRITING, Journal, RetainedRecord
 from bladed.server.stores import Access, ExtentKPUStore, PageCacheKPUStore
 from bladed.server.stores.pagecache import RETAINED_DIR_PREFIX
@@ -276,8 +276,8 @@ class PrefixCache:
         if self.shared is not None and blocks < len(chain):
             # a local miss (or a shorter hit) asks the shared tier; its blocks are used only if they reach further
             B = self.block_tokens
-            keys = [block_key(scope, seed.hex(), B, h) for h in chain]
-            remote = self.shared.fetch(keys, 2 * geometry.layers * B * geometry.token_bytes)
+            block_bytes = 2 * geometry.layers * B * geometry.token_bytes
+            remote = self.shared.fetch(chain_refs(scope, seed, B, chain), block_bytes)
             if len(remote) > blocks:
                 self.cancel(found)
                 found.remote, found.blocks = remote, len(remote)
@@ -444,8 +444,7 @@ class PrefixCache:
             self.entries[entry.id] = entry
         self.stats.add("prefix_retained")
         if self.shared is not None and blocks_out is not None:
-            self.shared.publish([(block_key(scope, seed_hex, B, h), bytes(buf)) for h, buf in zip(chain, blocks_out,
-                                                                                                 strict=True)])
+            self.shared.publish(list(zip(chain_refs(scope, seed, B, chain), map(bytes, blocks_out), strict=True)))
         event("prefix_retain", session=sess.id, entry=entry.id, tokens=entry.tokens, scope=scope,
               pagecache_bytes=entry.pagecache_bytes, device_bytes=entry.device_bytes)
         return {"entry": entry.id, "tokens": entry.tokens, "new": True}
