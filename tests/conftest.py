@@ -27,6 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # no process the suite starts outlives its test, nor the suite (tests/procguard.py, docs/reliability.md)
+    config.pluginmanager.import_plugin("procguard")
 
 
 @pytest.fixture
@@ -72,3 +74,25 @@ def loop_device(store_dir: str) -> Iterator[str]:
         yield dev
     finally:
         subprocess.run(["losetup", "-d", dev], check=False)
+
+
+@pytest.fixture
+def tmp() -> Iterator[str]:
+    """A fresh state directory with a short path (Unix socket paths are limited to 107 bytes)."""
+    from daemon_util import short_tmpdir
+    with short_tmpdir() as d:
+        yield d
+
+
+@pytest.fixture(params=["file", "block"])
+def device(request: pytest.FixtureRequest, tmp: str) -> tuple[dict[str, object], str]:
+    """A daemon's ``[device]`` section on each local backend, and the file its LBAs live in (the store file,
+    or the loop device's backing file)."""
+    if request.param == "file":
+        return {}, os.path.join(tmp, "kv-store.img")
+    if os.geteuid() != 0:
+        pytest.fail("loop-device tests need root (run the suite as root, as CI does)")
+    dev = request.getfixturevalue("loop_device")
+    backing = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", dev], check=True, capture_output=True,
+                             text=True).stdout.strip()
+    return {"backend": "block", "path": dev}, backing

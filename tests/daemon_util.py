@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bladed.spawn import PrivateDaemon, SpawnError
@@ -164,8 +165,29 @@ def scrape(conn: http.client.HTTPConnection) -> dict[tuple[str, tuple[tuple[str,
     return out
 
 
+@dataclass(frozen=True)
+class Mark:
+    """Where one daemon's output stood at a moment: its run (one per :meth:`DaemonProcess.start`) and how
+    many log lines and notifications of that run had arrived. A wait given ``after=mark`` considers only
+    what arrived later, so it cannot be satisfied by what an earlier action caused."""
+
+    run: int
+    lines: int
+    notifications: int
+
+
 class DaemonProcess:
-    """A bladed daemon in a child process, on a config written for the test."""
+    """A bladed daemon in a child process, on a config written for the test.
+
+    Its log lines (:attr:`lines`) and sd_notify notifications (:attr:`notifications`) are collected from
+    :meth:`start` on, one run at a time. The waits (:meth:`wait_event`, :meth:`wait_fields`,
+    :meth:`wait_line`, :meth:`wait_notify`) look at what arrived after ``after`` (a :class:`Mark` taken
+    before the action whose effect is awaited, e.g. ``mark = d.mark(); action(); d.wait_event("x",
+    after=mark)``, or the mark :meth:`signal` returns); without it, at everything since the start of the
+    current run, which is right only for what the start itself causes (``daemon_start``,
+    ``region_scrub``, ``reclaim``, ``prefix_restore``) or for an item no earlier action can have caused
+    (a fresh session id's). :meth:`stop` returns once every line and notification is in.
+    """
 
     def __init__(self, state_dir: str, config: dict[str, dict[str, Any]] | None = None,
                  env: dict[str, str] | None = None, *, embedded: bool = False) -> None:
@@ -181,10 +203,13 @@ class DaemonProcess:
         self.config_path = os.path.join(state_dir, "bladed.toml")
         self.notify_path = os.path.join(state_dir, "notify.sock")
         self.daemon: PrivateDaemon | None = None
+        #: this run's log lines and notifications (a new list each :meth:`start`)
         self.lines: list[str] = []
         self.notifications: list[str] = []
+        self.run = 0
         self._cond = threading.Condition()
         self._log_reader: threading.Thread | None = None
+        self._notify_reader: threading.Thread | None = None
 
     @property
     def proc(self) -> subprocess.Popen[str] | None:
@@ -205,113 +230,220 @@ class DaemonProcess:
             f.write(toml_text(self.config))
 
     def start(self, *, wait: bool = True, timeout: float = STARTUP_TIMEOUT) -> DaemonProcess:
+        """Start a run (a running one is stopped first); with ``wait``, return at its ``READY=1``. A daemon
+        that is not ready in time is killed before this raises."""
+        if self.daemon is not None:
+            self.stop()
         if not self.embedded:
             self.write_config()
-        self.lines = []
         args = [] if self.embedded else ["--config", self.config_path, "--state-dir", self.state_dir]
-        daemon = self.daemon = PrivateDaemon(args, env={**env_with_repo(), **self.extra_env}, cwd=self.cwd,
-                                             notify_path=self.notify_path).start()
-        self.notifications = daemon.notifications  # wait_ready's, then _read_notify's
+        daemon = PrivateDaemon(args, env={**env_with_repo(), **self.extra_env}, cwd=self.cwd,
+                               notify_path=self.notify_path).start()
         assert daemon.proc is not None and daemon.notify_socket is not None
-        self._log_reader = threading.Thread(target=self._read_log, args=(daemon.proc,), daemon=True)
+        with self._cond:
+            self.run += 1
+            self.daemon = daemon
+            self.lines = []
+            self.notifications = daemon.notifications  # wait_ready's, then _read_notify's
+        self._log_reader = threading.Thread(target=self._read_log, args=(daemon.proc, self.lines), daemon=True)
         self._log_reader.start()
         if wait:
             try:
                 daemon.wait_ready(timeout)
             except SpawnError as e:
-                if daemon.proc.poll() is not None:
-                    self._log_reader.join(5)  # the log up to its end
-                raise AssertionError(f"{e}:\n" + self.log_tail()) from None
-        threading.Thread(target=self._read_notify, args=(daemon.notify_socket,), daemon=True).start()
+                self.kill()
+                print(self.log_tail(), file=sys.stderr)
+                raise AssertionError(f"{e} (its log is on stderr)") from None
+            except BaseException:
+                self.kill()
+                raise
+        self._notify_reader = threading.Thread(target=self._read_notify,
+                                               args=(daemon.notify_socket, self.notifications), daemon=True)
+        self._notify_reader.start()
         return self
 
-    def _read_log(self, proc: subprocess.Popen[str]) -> None:
+    def _read_log(self, proc: subprocess.Popen[str], lines: list[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             with self._cond:
-                self.lines.append(line.rstrip("\n"))
+                lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
 
-    def _read_notify(self, sock: socket.socket) -> None:
+    def _read_notify(self, sock: socket.socket, notifications: list[str]) -> None:
         while True:
             try:
                 data = sock.recv(4096)
             except OSError:
                 return
+            if not data:  # shut down for reading (_drain) and nothing left queued
+                return
             with self._cond:
-                self.notifications.extend(data.decode().splitlines())
+                notifications.extend(data.decode(errors="replace").splitlines())
                 self._cond.notify_all()
 
-    def _wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    def _drain(self, timeout: float = 30.0) -> None:
+        """Once the daemon has exited: wait until its every log line and notification is in."""
+        daemon = self.daemon
+        if daemon is None or daemon.proc is None or daemon.proc.poll() is None:
+            return
+        if daemon.notify_socket is not None and self._notify_reader is not None:
+            # a datagram socket shut down for reading still hands out what is queued, then b""
+            with contextlib.suppress(OSError):
+                daemon.notify_socket.shutdown(socket.SHUT_RD)
+            self._notify_reader.join(timeout)
+        if self._log_reader is not None:
+            self._log_reader.join(timeout)  # stdout is at EOF once the daemon is gone
+
+    # -- marks and waits ------------------------------------------------------------------------------
+    def mark(self) -> Mark:
+        """Where the output stands now: take it before an action, wait ``after`` it."""
+        with self._cond:
+            return Mark(self.run, len(self.lines), len(self.notifications))
+
+    @property
+    def started(self) -> Mark:
+        """The start of the current run (what ``after=None`` means)."""
+        return Mark(self.run, 0, 0)
+
+    def _origin(self, after: Mark | None) -> Mark:
+        """``after`` in the current run: an earlier run's mark (or none) is the start of this one."""
+        if after is None or after.run < self.run:
+            return self.started
+        assert after.run == self.run, f"{after} is a mark of a later run than this one ({self.run})"
+        return after
+
+    def lines_after(self, after: Mark | None = None) -> list[str]:
+        with self._cond:
+            return self.lines[self._origin(after).lines:]
+
+    def notifications_after(self, after: Mark | None = None) -> list[str]:
+        with self._cond:
+            return self.notifications[self._origin(after).notifications:]
+
+    def _wait(self, pred: Callable[[], Any], timeout: float, what: str, seen: Callable[[], str]) -> Any:
+        """``pred()`` once it is not None (checked whenever a line or notification arrives), with a deadline."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 got = pred()
-                if got:
+                if got is not None:
                     return got
-                if self.proc is not None and self.proc.poll() is not None and not pred():
-                    # give the log reader a last chance to deliver the final lines
-                    self._cond.wait(0.5)
-                    got = pred()
-                    if got:
-                        return got
-                    raise AssertionError(f"bladed exited ({self.proc.returncode}) while waiting for {what}:\n"
-                                         + self.log_tail())
+                if self.proc is not None and self.proc.poll() is not None:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AssertionError(f"timed out waiting for {what}; log:\n" + self.log_tail())
-                self._cond.wait(min(left, 0.5))
-
-    def wait_notify(self, item: str, timeout: float = 30.0) -> None:
-        n = len([x for x in self.notifications if x == item])
-        if item == "READY=1":
-            n = 0
-        self._wait(lambda: len([x for x in self.notifications if x == item]) > n, timeout, f"notify {item}")
-
-    def events(self, name: str) -> list[dict[str, str]]:
-        """Parsed ``event=NAME k=v ...`` log lines (every field of the line, ``level`` and ``logger`` too)."""
+                    print(self.log_tail(), file=sys.stderr)
+                    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; seen: {seen()} "
+                                         "(log tail on stderr)")
+                self._cond.wait(min(left, 0.5))  # also notices a daemon that exits without a word
+        self._drain()  # exited: its last lines may still be on their way
         with self._cond:
-            lines = list(self.lines)
-        return [f for f in map(logfmt_fields, lines) if f.get("event") == name]
+            got = pred()
+            if got is not None:
+                return got
+            print(self.log_tail(), file=sys.stderr)
+            assert self.proc is not None
+            raise AssertionError(f"bladed exited ({self.proc.returncode}) while waiting for {what}; seen: {seen()} "
+                                 "(log tail on stderr)")
 
-    def wait_event(self, name: str, timeout: float = 30.0, **match: Any) -> dict[str, str]:
+    @staticmethod
+    def _since(after: Mark | None) -> str:
+        return "since the start" if after is None else f"after line {after.lines} of run {after.run}"
+
+    def _seen_lines(self, after: Mark | None, keep: Callable[[str], bool] = lambda _: True) -> str:
+        lines = [ln for ln in self.lines[self._origin(after).lines:] if keep(ln)]
+        if not lines:
+            return "no line"
+        return f"{len(lines)} line(s), the last {lines[-1][:300]!r}"
+
+    def _seen_events(self, after: Mark | None) -> str:
+        names = [f.get("event") for f in map(logfmt_fields, self.lines[self._origin(after).lines:]) if f.get("event")]
+        return f"events {names[-20:]}" if names else f"no event ({self._seen_lines(after)})"
+
+    def wait_notify(self, item: str, timeout: float = 30.0, *, after: Mark | None = None) -> int:
+        """The index in :attr:`notifications` of the first ``item`` (``READY=1``) after ``after``."""
+        def find() -> int | None:
+            start = self._origin(after).notifications
+            return next((start + i for i, x in enumerate(self.notifications[start:]) if x == item), None)
+
+        def seen() -> str:
+            return repr(self.notifications[self._origin(after).notifications:])
+
+        return int(self._wait(find, timeout, f"notification {item} {self._since(after)}", seen))
+
+    def events(self, name: str, *, after: Mark | None = None) -> list[dict[str, str]]:
+        """Parsed ``event=NAME k=v ...`` log lines (every field of the line, ``level`` and ``logger`` too)."""
+        return [f for f in map(logfmt_fields, self.lines_after(after)) if f.get("event") == name]
+
+    def wait_event(self, name: str, timeout: float = 30.0, *, after: Mark | None = None,
+                   **match: Any) -> dict[str, str]:
+        """The first ``event=NAME`` line after ``after`` whose fields equal ``match`` (values as strings)."""
         def find() -> dict[str, str] | None:
-            for ev in self.events(name):
-                if all(ev.get(k) == str(v) for k, v in match.items()):
-                    return ev
+            for ln in self.lines[self._origin(after).lines:]:
+                f = logfmt_fields(ln)
+                if f.get("event") == name and all(f.get(k) == str(v) for k, v in match.items()):
+                    return f
             return None
 
-        return self._wait(find, timeout, f"event {name} {match}")
+        what = f"event {name}" + "".join(f" {k}={v}" for k, v in match.items()) + f" {self._since(after)}"
+        return dict(self._wait(find, timeout, what, lambda: self._seen_events(after)))
 
-    def wait_fields(self, pred: Callable[[dict[str, str]], bool], count: int = 1,
-                    timeout: float = 30.0) -> list[dict[str, str]]:
-        """The parsed log lines (:func:`logfmt_fields`) that ``pred`` holds for, once there are ``count``."""
+    def wait_fields(self, pred: Callable[[dict[str, str]], bool], count: int = 1, timeout: float = 30.0, *,
+                    after: Mark | None = None) -> list[dict[str, str]]:
+        """The parsed log lines (:func:`logfmt_fields`) after ``after`` that ``pred`` holds for, once there
+        are ``count`` of them."""
         def found() -> list[dict[str, str]] | None:
-            hits = [f for f in map(logfmt_fields, self.lines) if pred(f)]
+            hits = [f for f in map(logfmt_fields, self.lines[self._origin(after).lines:]) if pred(f)]
             return hits if len(hits) >= count else None
 
-        return list(self._wait(found, timeout, f"{count} log line(s) matching {pred}"))
+        def seen() -> str:
+            hits = [f for f in map(logfmt_fields, self.lines[self._origin(after).lines:]) if pred(f)]
+            return f"{len(hits)} matching of {self._seen_lines(after)}"
 
-    def wait_line(self, text: str, timeout: float = 30.0) -> str:
-        return self._wait(lambda: next((ln for ln in self.lines if text in ln), None), timeout, repr(text))
+        what = f"{count} log line(s) matching {pred!r} {self._since(after)}"
+        return list(self._wait(found, timeout, what, seen))
 
-    def signal(self, sig: int) -> None:
+    def wait_line(self, text: str, timeout: float = 30.0, *, after: Mark | None = None) -> str:
+        """The first log line after ``after`` that contains ``text``."""
+        def find() -> str | None:
+            return next((ln for ln in self.lines[self._origin(after).lines:] if text in ln), None)
+
+        return str(self._wait(find, timeout, f"a log line with {text!r} {self._since(after)}",
+                              lambda: self._seen_lines(after)))
+
+    # -- signals and stopping ----------------------------------------------------------------------
+    def signal(self, sig: int) -> Mark:
+        """Send ``sig``; returns the mark taken just before, to wait for what the signal causes."""
         assert self.proc is not None
+        mark = self.mark()
         self.proc.send_signal(sig)
+        return mark
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait (SIGKILL after ``timeout`` s); returns the exit status."""
-        assert self.daemon is not None
+        """SIGTERM and wait (SIGKILL after ``timeout`` s); returns the exit status once the daemon's every
+        log line and notification is in."""
+        assert self.daemon is not None and self.daemon.proc is not None
+        proc = self.daemon.proc
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        self._drain()
         rc = self.daemon.stop(timeout)
         assert rc is not None
         return rc
 
     def kill(self) -> None:
+        """SIGKILL, and wait as :meth:`stop` does."""
         assert self.daemon is not None and self.daemon.proc is not None
-        self.daemon.proc.kill()
-        self.daemon.stop()
+        if self.daemon.proc.poll() is None:
+            self.daemon.proc.kill()
+        self.stop()
 
     def log_tail(self, n: int = 40) -> str:
         with self._cond:
@@ -325,8 +457,31 @@ class DaemonProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Ends the daemon whatever happened in the block: SIGTERM, SIGKILL after a grace period."""
+        if self.daemon is not None:
             self.stop()
+
+
+def wait_connections(c: Any, n: int, timeout: float = 30.0, *, queued: bool = False) -> dict[str, Any]:
+    """``stats`` through the client ``c``, once the daemon counts exactly ``n`` connections (``c`` among them):
+    the teardown of the others, which runs on their own threads after their sessions are closed.
+
+    Every connection to wait for must already be counted, i.e. accepted: one that got an answer is. With
+    ``queued``, some may still wait in the listen queue (a client killed right after ``connect``): first a
+    fresh connection's round trip, the sequence point after them (the daemon accepts one connection at a
+    time, in queue order), and that connection's own teardown is waited for with the rest. Each check is a
+    round trip to the daemon, not a sleep."""
+    from bladed.client import Client
+
+    if queued:
+        with Client(c.socket_path) as fresh:
+            fresh.status()
+    deadline = time.monotonic() + timeout
+    while (st := c.stats())["connections"] != n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for the daemon to count {n} "
+                                 f"connection(s); seen: {st['connections']}, {st['sessions']} session(s)")
+    return dict(st)
 
 
 class ClientProcess:

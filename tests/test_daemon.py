@@ -64,7 +64,8 @@ def test_two_client_processes_round_trip_on_both_paths(tmp: str) -> None:
             ClientProcess(d.socket_path) as a, ClientProcess(d.socket_path) as b:
         for c in (a, b):
             c.call("connect")
-        pa = a.call("open", geometry=ALIGNED)["plan"]
+        opened_a = a.call("open", geometry=ALIGNED)
+        pa = opened_a["plan"]
         pb = b.call("open", geometry=ALIGNED)["plan"]
         # the page-cache budget is shared: the second session gets what the first left
         assert (pa["group1_layers"], pb["group1_layers"]) == (2, 0)
@@ -83,8 +84,9 @@ def test_two_client_processes_round_trip_on_both_paths(tmp: str) -> None:
         assert a.call("read_check", layer=3, kind="v", token_start=6, seed=1)["match"]
         r = a.call("read_check", layer=0, kind="k", token_start=3, ntokens=4, seed=1)
         assert r["match"] and r["path"] == "pagecache" and r["hit_ratio"] == 1.0
+        close = d.mark()
         a.call("close")
-        closed = d.wait_event("session_close", reason="closed")
+        closed = d.wait_event("session_close", after=close, session=opened_a["session"], reason="closed")
         assert int(closed["trimmed_bytes"]) == 4 * KPU
         assert not os.listdir(os.path.join(tmp, "pagecache")), "page-cache files left after close"
         assert b.call("check_all", seed=2)["bad"] == []
@@ -133,13 +135,14 @@ def test_loop_device_backend_round_trip_and_trim(tmp: str, loop_device: str) -> 
            "budget": {"override": 0}}
     with DaemonProcess(tmp, cfg).start() as d, ClientProcess(d.socket_path) as c:
         assert c.call("connect")["server"]["lba_size"] == 512
-        c.call("open", geometry=ALIGNED)
+        sid = c.call("open", geometry=ALIGNED)["session"]
         before = allocated_bytes(backing)
         assert c.call("write_all", seed=6)["paths"] == ["direct"] * 8
         assert c.call("check_all", seed=6)["bad"] == []
         assert allocated_bytes(backing) >= before + 8 * KPU
+        close = d.mark()
         c.call("close")
-        assert int(d.wait_event("session_close")["trimmed_bytes"]) == 8 * KPU
+        assert int(d.wait_event("session_close", after=close, session=sid)["trimmed_bytes"]) == 8 * KPU
         # block discard on a loop device punches holes in its backing file
         assert not has_data(backing, 2048 * 512, 8 * KPU)
 
@@ -157,8 +160,9 @@ def test_sigkill_client_mid_transfer_frees_its_extent(tmp: str) -> None:
         victim.call("write_all", seed=8)
         assert has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
         assert victim.call("write_loop")["looping"]
+        kill = d.mark()
         victim.kill()
-        gone = d.wait_event("session_close", session=opened["session"])
+        gone = d.wait_event("session_close", after=kill, session=opened["session"])
         assert gone["reason"] == "client_gone"
         assert int(gone["trimmed_bytes"]) == ext["nblocks"] * 4096
         assert not has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
@@ -173,9 +177,8 @@ def test_sigkill_client_mid_transfer_frees_its_extent(tmp: str) -> None:
 
 def test_sigkill_daemon_then_restart_reclaims_and_clients_reconnect(tmp: str) -> None:
     cfg = {"budget": {"override": 2 * KPU}}
-    d = DaemonProcess(tmp, cfg).start()
     store = os.path.join(tmp, "kv-store.img")
-    with ClientProcess(d.socket_path) as c:
+    with DaemonProcess(tmp, cfg).start() as d, ClientProcess(d.socket_path) as c:
         c.call("connect")
         opened = c.call("open", geometry=ALIGNED)
         ext = opened["extent"]
@@ -188,6 +191,7 @@ def test_sigkill_daemon_then_restart_reclaims_and_clients_reconnect(tmp: str) ->
         assert has_data(store, ext["start"] * 4096, ext["nblocks"] * 4096)
 
         with DaemonProcess(tmp, cfg).start() as d2:
+            # what the start itself does, once: the run's lines since its start
             ev = d2.wait_event("session_reclaim", session=opened["session"])
             assert ev["extents"] == "1"
             assert int(d2.wait_event("reclaim")["trimmed_bytes"]) == ext["nblocks"] * 4096
@@ -201,27 +205,28 @@ def test_sigkill_daemon_then_restart_reclaims_and_clients_reconnect(tmp: str) ->
 
 
 def test_sigterm_drains_in_flight_requests_trims_and_notifies(tmp: str) -> None:
-    d = DaemonProcess(tmp, {"budget": {"override": 0}}).start()
-    with ClientProcess(d.socket_path) as c:
+    with DaemonProcess(tmp, {"budget": {"override": 0}}).start() as d, ClientProcess(d.socket_path) as c:
         c.call("connect")
-        ext = c.call("open", geometry=ALIGNED)["extent"]
+        opened = c.call("open", geometry=ALIGNED)
+        ext = opened["extent"]
         c.call("write_all", seed=12)
         assert c.call("write_loop")["looping"]
-        d.signal(signal.SIGTERM)
-        assert d.stop() == 0
-        assert "STOPPING=1" in d.notifications
-        stop = d.wait_event("daemon_stop")
+        term = d.signal(signal.SIGTERM)
+        assert d.stop() == 0  # every line and notification is in once it returns
+        assert "STOPPING=1" in d.notifications_after(term)
+        stop = d.wait_event("daemon_stop", after=term)
         assert int(stop["trimmed_bytes"]) == ext["nblocks"] * 4096
-        assert d.wait_event("session_close")["reason"] == "shutdown"
+        assert d.wait_event("session_close", after=term, session=opened["session"])["reason"] == "shutdown"
         assert not has_data(os.path.join(tmp, "kv-store.img"), 0, 64 << 20)
         assert not os.path.exists(d.socket_path)
 
 
 def test_second_daemon_on_the_same_state_dir_is_refused(tmp: str) -> None:
     with DaemonProcess(tmp).start() as first:
-        second = DaemonProcess(tmp).start(wait=False)
-        assert second.proc is not None and second.proc.wait(60) == 1
-        second.wait_line(f"another bladed (pid {first.pid}) is using the state directory")
+        with DaemonProcess(tmp).start(wait=False) as second:
+            assert second.proc is not None and second.proc.wait(60) == 1
+            # what its start caused: its run's only lines
+            second.wait_line(f"another bladed (pid {first.pid}) is using the state directory")
         assert first.proc is not None and first.proc.poll() is None
 
 
@@ -245,6 +250,7 @@ def test_start_up_without_a_usable_journal_scrubs_the_whole_region(tmp: str, jou
         cfg = {"device": {"region_blocks": 8192}}
     region = (32 if journal == "other_region" else 64) << 20
     with DaemonProcess(tmp, cfg).start() as d2, Client(d2.socket_path) as c2:
+        # what the start itself does, once: the run's lines since its start
         if journal == "torn":
             d2.wait_line("unreadable journal")
         ev = d2.wait_event("region_scrub")

@@ -45,16 +45,17 @@ def test_uid_not_allowed_is_refused_until_allowed_by_reload(tmp: str) -> None:
     with DaemonProcess(tmp, cfg).start() as d:
         # the socket is world-connectable here, so the refusal comes from the peer-credential check
         assert stat.S_IMODE(os.stat(d.socket_path).st_mode) == 0o666
+        refuse = d.mark()
         got = as_uid(NOBODY, d.socket_path, "status")
         assert got["exception"] == "PermissionDeniedError"
         assert f"uid {NOBODY}" in got["message"] and "not allowed" in got["message"]
-        d.wait_event("connection_refused", uid=NOBODY)
+        d.wait_event("connection_refused", after=refuse, uid=NOBODY)
 
         d.config["access"] = {"allowed_uids": [NOBODY]}
         with open(d.config_path, "w") as f:
             f.write(toml_text(d.config))
-        d.signal(signal.SIGHUP)
-        assert d.wait_event("reload")["applied"] == "access.allowed_uids"
+        hup = d.signal(signal.SIGHUP)
+        assert d.wait_event("reload", after=hup)["applied"] == "access.allowed_uids"
         assert as_uid(NOBODY, d.socket_path, "status") == {"uid": NOBODY, "status": "0.1.0"}
         # allowed to use bladed is not allowed to administer it
         got = as_uid(NOBODY, d.socket_path, "trim")

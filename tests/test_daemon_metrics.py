@@ -7,12 +7,20 @@ from __future__ import annotations
 import http.client
 import os
 import re
-import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
-from daemon_util import ROOT, ClientProcess, DaemonProcess, UnixHTTPConnection, run_as, scrape, short_tmpdir
+from daemon_util import (
+    ROOT,
+    ClientProcess,
+    DaemonProcess,
+    UnixHTTPConnection,
+    run_as,
+    scrape,
+    short_tmpdir,
+    wait_connections,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -119,13 +127,6 @@ def test_metrics_on_tcp_and_off_by_default(tmp: str) -> None:
         assert c.status()["metrics"] is None
 
 
-def wait_connections(c: Client, n: int, timeout: float = 30.0) -> None:
-    """Until the daemon has forgotten every other connection (teardown runs on the connection's thread)."""
-    deadline = time.monotonic() + timeout
-    while c.status()["connections"] != n:   # each status is a round trip: a wait on the daemon, not a sleep
-        assert time.monotonic() < deadline, "connections not torn down in time"
-
-
 @pytest.mark.root
 def test_sessions_closed_connections_and_requests_refused_are_counted_by_reason(tmp: str) -> None:
     """The reasons an operator needs: why sessions ended, why connections and requests were refused;
@@ -144,12 +145,13 @@ def test_sessions_closed_connections_and_requests_refused_are_counted_by_reason(
             wait_connections(c, 1)
             with ClientProcess(d.socket_path) as gone:
                 gone.call("connect")
-                gone.call("open", geometry=GEOMETRY, channels=1)
+                sid = gone.call("open", geometry=GEOMETRY, channels=1)["session"]
                 gone.kill()                                            # reason=client_gone
-            d.wait_event("session_close", reason="client_gone")
+            d.wait_event("session_close", session=sid, reason="client_gone")   # a fresh session id
             with pytest.raises(BadRequestError, match="unknown op"):
                 c.call("frobnicate")
             wait_connections(c, 1)
+            refusals = d.mark()
             assert run_as(NOBODY, d.socket_path, lambda cl, out: None)["exception"] == "PermissionDeniedError"
             with Client(d.socket_path), Client(d.socket_path), \
                     pytest.raises(BusyError, match=r"socket\.max_connections"):
@@ -165,8 +167,8 @@ def test_sessions_closed_connections_and_requests_refused_are_counted_by_reason(
         assert (st["connections_refused"], st["connections_refused_by_reason"]) == \
             (2, {"not_allowed": 1, "too_many": 1})
         assert (st["bad_requests"], st["bad_requests_by_code"]) == (1, {"unknown_op": 1})
-        d.wait_event("connection_refused", reason="too_many")
-        assert d.wait_event("connection_refused", reason="not_allowed")["uid"] == str(NOBODY)
+        d.wait_event("connection_refused", after=refusals, reason="too_many")
+        assert d.wait_event("connection_refused", after=refusals, reason="not_allowed")["uid"] == str(NOBODY)
 
 
 def test_every_metric_is_documented_and_every_documented_metric_is_exposed(tmp: str) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from daemon_util import ROOT, ClientProcess, DaemonProcess, env_with_repo, short_tmpdir
+from daemon_util import ROOT, ClientProcess, DaemonProcess, env_with_repo, short_tmpdir, wait_connections
 
 from bladed.client import Client, DaemonLostError, NoSpaceError, QuotaExceededError, RemoteIOError
 
@@ -55,15 +55,12 @@ def journal_sessions(state_dir: str) -> list[dict]:
 
 
 def wait_idle(c: Client, timeout: float = 60.0) -> dict:
-    """Stats once every torn-down connection has released its sessions (teardown runs on reader threads)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = c.stats()
-        if st["sessions"] == 0 and st["extents"]["used_blocks"] == 0 \
-                and st["sessions_opened"] == st["sessions_closed"]:
-            return st
-        assert time.monotonic() < deadline, f"sessions not released: {st}"
-        c.status()  # one round trip to the daemon: a wait on its progress, not a sleep
+    """Stats once every connection but ``c`` is torn down, those of clients killed right after they connected
+    too (:func:`wait_connections` with ``queued``); a connection goes after its sessions, so these are closed."""
+    st = wait_connections(c, 1, timeout, queued=True)
+    assert st["sessions"] == 0 and st["extents"]["used_blocks"] == 0 \
+        and st["sessions_opened"] == st["sessions_closed"], f"sessions not released: {st}"
+    return st
 
 
 def assert_clean(d: DaemonProcess, c: Client, store: str | None, baseline_blocks: int | None) -> dict:
@@ -200,13 +197,12 @@ def test_daemon_sigkilled_during_heavy_writes_restarts_clean_and_clients_reconne
     store = os.path.join(tmp, "kv-store.img")
     geo = GEOMETRIES[0]
     for rnd in range(3):
-        d = DaemonProcess(tmp, cfg).start()
-        if rnd == 0:
-            with Client(d.socket_path) as c:
-                c.open_session(geo, channels=1).close()
-            baseline = os.stat(store).st_blocks
-        clients = [ClientProcess(d.socket_path) for _ in range(3)]
-        try:
+        with DaemonProcess(tmp, cfg).start() as d, contextlib.ExitStack() as stack:
+            if rnd == 0:
+                with Client(d.socket_path) as c:
+                    c.open_session(geo, channels=1).close()
+                baseline = os.stat(store).st_blocks
+            clients = [stack.enter_context(ClientProcess(d.socket_path)) for _ in range(3)]
             for i, cp in enumerate(clients):
                 cp.call("connect")
                 cp.call("open", geometry=geo, mode=MODES[i % 2])
@@ -221,7 +217,7 @@ def test_daemon_sigkilled_during_heavy_writes_restarts_clean_and_clients_reconne
             assert len(journal_sessions(tmp)) == 3
             assert os.listdir(os.path.join(tmp, "pagecache"))  # stale files of the killed instance
             with DaemonProcess(tmp, cfg).start() as d2:
-                rec = d2.wait_event("reclaim")
+                rec = d2.wait_event("reclaim")                  # what the start itself does, once
                 assert rec["sessions"] == "3"
                 with Client(d2.socket_path) as c:
                     assert_clean(d2, c, store, baseline)
@@ -231,9 +227,6 @@ def test_daemon_sigkilled_during_heavy_writes_restarts_clean_and_clients_reconne
                     cp.call("write_all", seed=10 + i)
                     assert cp.call("check_all", seed=10 + i)["bad"] == []
                     cp.call("close")
-        finally:
-            for cp in clients:
-                cp.close()
     with pytest.raises((DaemonLostError, FileNotFoundError, ConnectionRefusedError)):
         Client(os.path.join(tmp, "bladed.sock"))
 

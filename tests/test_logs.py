@@ -3,8 +3,9 @@
 sends garbage, budget drift at DEBUG and only when B_pc moves, and what ``log.level = "debug"`` adds.
 
 Waits block on log lines (``DaemonProcess.wait_fields``) or on round trips to the daemon, with
-deadlines.  A line that must *not* appear is checked after a later line that the daemon writes
-after it would have: the log is one pipe, read in order.
+deadlines, and wait for what follows their action: a line after a mark taken before it, a counter past
+its value before it.  A line that must *not* appear is checked after a later line that the daemon
+writes after it would have (:func:`unknown_op`): the log is one pipe, read in order.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from cgroup_util import ChildCgroup
@@ -40,18 +41,28 @@ def tmp() -> Iterator[str]:
         yield d
 
 
-def msg(text: str, **match: str) -> Callable[[dict[str, str]], bool]:
-    """A predicate on parsed log lines: ``msg == text`` and every ``match`` field equal."""
-    return lambda f: f.get("msg") == text and all(f.get(k) == v for k, v in match.items())
+class msg:
+    """A predicate on parsed log lines: ``msg == text`` and every ``match`` field equal (its repr says so in a
+    failed wait's message)."""
+
+    def __init__(self, text: str, **match: str) -> None:
+        self.text, self.match = text, match
+
+    def __call__(self, f: dict[str, str]) -> bool:
+        return f.get("msg") == self.text and all(f.get(k) == v for k, v in self.match.items())
+
+    def __repr__(self) -> str:
+        return f"msg={self.text!r}" + "".join(f" {k}={v}" for k, v in self.match.items())
 
 
 def unknown_op(d: DaemonProcess) -> dict[str, str]:
     """A marker: an unknown op on a connection of its own, and its warning line (written after
     every line the daemon wrote before it answered)."""
+    mark = d.mark()
     with Client(d.socket_path) as c, pytest.raises(BadRequestError, match="unknown op"):
         c.call("frobnicate")
-    hits = d.wait_fields(msg(BAD_REQUEST, reason="unknown_op"))
-    return hits[-1]
+    (line,) = d.wait_fields(msg(BAD_REQUEST, reason="unknown_op"), after=mark)
+    return line
 
 
 def bad_json(raw: Raw) -> str:
@@ -70,7 +81,10 @@ def metric(path: str, name: str, labels: tuple[tuple[str, str], ...] = ()) -> fl
 
 def wait_metric(path: str, name: str, labels: tuple[tuple[str, str], ...], at_least: float,
                 timeout: float = 30.0) -> float:
-    """Scrape until ``name`` reaches ``at_least`` (each scrape is a round trip to the daemon, not a sleep)."""
+    """Scrape until ``name`` reaches ``at_least`` (each scrape is a round trip to the daemon, not a sleep).
+
+    After an action, ``at_least`` is the counter's value before the action plus what the action adds, so
+    that it cannot already hold."""
     deadline = time.monotonic() + timeout
     while (v := metric(path, name, labels)) < at_least:
         assert time.monotonic() < deadline, f"{name}{dict(labels)} stayed at {v} (waiting for {at_least})"
@@ -78,12 +92,13 @@ def wait_metric(path: str, name: str, labels: tuple[tuple[str, str], ...], at_le
 
 
 def test_text_lines_are_key_value_with_a_timestamp_a_level_and_the_logger(tmp: str) -> None:
-    d = DaemonProcess(tmp, {"log": {"format": "text"}}).start()
-    with Client(d.socket_path) as c:
-        c.status()
-    unknown_op(d)
-    assert d.stop() == 0
-    d.wait_line("event=daemon_stop")
+    with DaemonProcess(tmp, {"log": {"format": "text"}}).start() as d:
+        with Client(d.socket_path) as c:
+            c.status()
+        unknown_op(d)
+        term = d.mark()
+        assert d.stop() == 0
+        d.wait_line("event=daemon_stop", after=term)
     lines = d.log().splitlines()
     assert len(lines) >= 4
     now = datetime.datetime.now(datetime.UTC)
@@ -95,19 +110,20 @@ def test_text_lines_are_key_value_with_a_timestamp_a_level_and_the_logger(tmp: s
         assert f["ts"].endswith("Z") and abs((now - ts).total_seconds()) < 600, line
         assert f["level"] in ("info", "warning"), line          # log.level = info: no debug lines
         assert list(f)[3] in ("event", "msg"), line
-    start = d.wait_event("daemon_start")
+    start = d.wait_event("daemon_start")                        # what the start itself does, once
     # the structured events keep their fields, right after event=
     assert list(start)[3:7] == ["event", "version", "pid", "backend"] and start["pid"] == str(d.pid)
     assert (start["level"], start["logger"]) == ("info", "bladed.events")
-    stop = d.wait_fields(msg("SIGTERM received: draining and stopping"))[0]
+    stop = d.wait_fields(msg("SIGTERM received: draining and stopping"), after=term)[0]
     assert (stop["level"], stop["logger"]) == ("info", "bladed")
 
 
 def test_journald_lines_carry_the_priority_and_no_timestamp(tmp: str) -> None:
-    d = DaemonProcess(tmp, env={"JOURNAL_STREAM": "8:1234"}).start()       # log.format = auto
-    marker = unknown_op(d)
-    assert d.stop() == 0
-    d.wait_line("event=daemon_stop")
+    with DaemonProcess(tmp, env={"JOURNAL_STREAM": "8:1234"}).start() as d:      # log.format = auto
+        marker = unknown_op(d)
+        term = d.mark()
+        assert d.stop() == 0
+        d.wait_line("event=daemon_stop", after=term)
     assert marker["level"] == "warning"
     for line in d.log().splitlines():
         f = logfmt_fields(line)
@@ -123,7 +139,7 @@ def test_bad_json_twice_on_one_connection_is_one_line_with_the_peer(tmp: str) ->
         assert error_code(raw.call({"op": "frobnicate", "id": 1})) == "unknown_op"
         assert raw.call({"op": "status", "id": 2})["ok"]        # the connection survives all three
         marker = unknown_op(d)                                  # a second connection: a line of its own
-        lines = d.wait_fields(msg(BAD_REQUEST))
+        lines = d.wait_fields(msg(BAD_REQUEST), 2)              # all in: the marker's is the run's last
         assert len(lines) == 2 and lines[-1] == marker, lines
         first = lines[0]
         assert (first["level"], first["logger"], first["reason"]) == ("warning", "bladed.connection", "bad_request")
@@ -148,7 +164,7 @@ def test_bad_frames_and_refused_handshakes_are_logged_with_the_peer(tmp: str) ->
         rude = Raw(d.socket_path, greet=False)
         assert error_code(rude.call({"op": "status", "id": 0})) == "handshake_required"
         rude.close()
-        unknown_op(d)
+        unknown_op(d)                                           # after it, every line of the run is in
         by_reason = {f["reason"]: f for f in d.wait_fields(msg(BAD_REQUEST), 4)}
         assert by_reason.keys() == {"bad_frame", "incompatible_protocol", "handshake_required", "unknown_op"}
         assert "bad frame magic" in by_reason["bad_frame"]["error"]
@@ -159,6 +175,7 @@ def test_bad_frames_and_refused_handshakes_are_logged_with_the_peer(tmp: str) ->
 def test_debug_adds_connection_session_and_plan_lines_but_none_per_request(tmp: str) -> None:
     cfg = {"log": {"level": "debug"}, "budget": {"override": 2 * KPU}}
     with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
+        # the run's first connection from this process: nothing before it can have logged this line
         opened = d.wait_fields(msg("connection opened", pid=str(os.getpid())))[0]
         assert (opened["level"], opened["uid"]) == ("debug", str(os.getuid()))
         with c.open_session(GEOMETRY, channels=2) as s:
@@ -170,23 +187,26 @@ def test_debug_adds_connection_session_and_plan_lines_but_none_per_request(tmp: 
             s.write(1, "v", 1)                                   # one data connection per channel
             attached = d.wait_fields(msg("data connection attached", session=s.id), 2)
             assert {a["channel"] for a in attached} == {"0", "1"}
+            hello = d.mark()
             with pytest.raises(BadRequestError, match="hello was already exchanged"):
                 c.call("hello", protocol=PROTOCOL_VERSION)      # a line of its own: the mark before the I/O
-            before = len(d.wait_fields(msg(BAD_REQUEST)))
-            n_before = len(d.log().splitlines())
+            d.wait_fields(msg(BAD_REQUEST), after=hello)
+            before = len(d.wait_fields(msg(BAD_REQUEST)))       # the run's only one
+            io = d.mark()
             for i in range(40):
                 s.write(i % 2, "kv"[i % 2], i % 2)
                 s.read(i % 2, "kv"[i % 2], i % 2)
             # a refused control request (not a protocol error) is a DEBUG line, and the mark after the I/O
             with pytest.raises(Exception, match="no session"):
                 c.call("close_session", session="nope")
-            refused = d.wait_fields(msg("request refused", op="close_session"))[0]
+            refused = d.wait_fields(msg("request refused", op="close_session"), after=io)[0]
             assert (refused["level"], refused["reason"]) == ("debug", "no_such_session")
-            lines = d.log().splitlines()
-            between = lines[n_before:lines.index(next(ln for ln in lines[n_before:] if "request refused" in ln))]
+            lines = d.lines_after(io)
+            between = lines[:lines.index(next(ln for ln in lines if "request refused" in ln))]
             assert between == [], f"lines logged during 80 I/O requests: {between}"
             assert before == 1
-        closed = d.wait_fields(msg("connection closed", kind="data"), 2)
+            close = d.mark()
+        closed = d.wait_fields(msg("connection closed", kind="data"), 2, after=close)
         # each: hello and attach, then its share of the 82 I/O requests
         assert sum(int(f["requests"]) for f in closed) == 2 * 2 + 82 and {f["refused"] for f in closed} == {"0"}
     # and at info, none of these
@@ -222,17 +242,20 @@ def test_budget_moves_found_by_periodic_samples_are_debug_lines(tmp: str) -> Non
         with DaemonProcess(tmp, cfg).start() as d:
             path = os.path.join(tmp, "metrics.sock")
             assert metric(path, "bladed_pagecache_budget_bytes") == 256 * MiB   # nothing charged to cg
+            changes = metric(path, "bladed_pagecache_budget_changes_total")
             cg.set_limit(512 * MiB)
-            wait_metric(path, "bladed_pagecache_budget_changes_total", (), 1)
+            wait_metric(path, "bladed_pagecache_budget_changes_total", (), changes + 1)
             unknown_op(d)
             assert periodic(d) == []                                          # log.level = info
 
             d.config["log"] = {"level": "debug"}
             d.write_config()
-            d.signal(signal.SIGHUP)
-            assert d.wait_event("reload")["applied"] == "log.level"
+            hup = d.signal(signal.SIGHUP)
+            assert d.wait_event("reload", after=hup)["applied"] == "log.level"
+            shrink = d.mark()
             cg.set_limit(256 * MiB)
-            (moved,) = d.wait_fields(msg("budget applied to live sessions", pagecache_budget_bytes=str(256 * MiB)))
+            (moved,) = d.wait_fields(msg("budget applied to live sessions", pagecache_budget_bytes=str(256 * MiB)),
+                                     after=shrink)
             assert moved["grants"] == "none"                                  # no session to re-plan
             (line,) = [f for f in budget_lines(d) if f["pagecache_budget_bytes"] == str(256 * MiB)]
             if line["msg"] == "budget changed (periodic)":
@@ -254,10 +277,11 @@ def test_budget_moves_found_by_periodic_samples_are_debug_lines(tmp: str) -> Non
 def test_connection_opened_and_closed_are_debug_lines_for_every_peer(tmp: str) -> None:
     """A peer that connects and goes without a word: opened and closed at DEBUG, nothing at INFO."""
     with DaemonProcess(tmp, {"log": {"level": "debug"}}).start() as d:
+        peer = d.mark()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(d.socket_path)
         s.close()
-        closed = d.wait_fields(msg("connection closed", pid=str(os.getpid())))[0]
+        closed = d.wait_fields(msg("connection closed", pid=str(os.getpid())), after=peer)[0]
         assert (closed["level"], closed["reason"], closed["kind"], closed["requests"]) == \
             ("debug", "client_gone", "control", "0")
 

@@ -124,31 +124,32 @@ def test_nvme_dropin_resets_the_device_acl_and_waits_for_the_rule_s_device() -> 
 
 
 def test_notify_sequence_reload_and_graceful_stop() -> None:
-    with short_tmpdir() as tmp:
-        d = DaemonProcess(tmp, {"log": {"level": "info"}}).start()
+    with short_tmpdir() as tmp, DaemonProcess(tmp, {"log": {"level": "info"}}).start() as d:
         ready = d.notifications[:]
         assert "READY=1" in ready and any(x.startswith("STATUS=serving on ") for x in ready)
         assert f"MAINPID={d.pid}" in ready
         d.config["log"]["level"] = "debug"
         d.config["device"]["size"] = "128M"
         d.write_config()
-        d.signal(signal.SIGHUP)
-        ev = d.wait_event("reload")
+        hup = d.signal(signal.SIGHUP)
+        ev = d.wait_event("reload", after=hup)
         assert (ev["applied"], ev["needs_restart"]) == ("log.level", "device.size")
-        d.wait_notify("READY=1")
-        assert "RELOADING=1" in d.notifications
+        # the reload's own READY=1, not the start's: RELOADING=1 comes before it
+        d.wait_notify("READY=1", after=hup)
+        reload = d.notifications_after(hup)
+        assert "RELOADING=1" in reload and reload.index("RELOADING=1") < reload.index("READY=1"), reload
+        stop = d.mark()
         assert d.stop() == 0
-        assert "STOPPING=1" in d.notifications
-        assert d.notifications.index("STOPPING=1") > d.notifications.index("RELOADING=1")
+        assert "STOPPING=1" in d.notifications_after(stop), d.notifications_after(stop)
 
 
 def test_journald_log_lines_carry_priorities() -> None:
-    with short_tmpdir() as tmp:
-        d = DaemonProcess(tmp, env={"JOURNAL_STREAM": "8:1234"}).start()
+    with short_tmpdir() as tmp, DaemonProcess(tmp, env={"JOURNAL_STREAM": "8:1234"}).start() as d:
         line = d.wait_line("event=daemon_start")
         assert line.startswith("<6>level=info logger=bladed.events event=daemon_start ")
+        stop = d.mark()
         assert d.stop() == 0
-        assert d.wait_line("event=daemon_stop").startswith("<6>")
+        assert d.wait_line("event=daemon_stop", after=stop).startswith("<6>")
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -156,8 +157,7 @@ def test_journald_log_lines_carry_priorities() -> None:
     ({"io": {"queue_depth": 0}}, "io.queue_depth"),
 ])
 def test_bad_config_stops_start_with_a_clear_message(bad: dict, message: str) -> None:
-    with short_tmpdir() as tmp:
-        d = DaemonProcess(tmp, bad).start(wait=False)
+    with short_tmpdir() as tmp, DaemonProcess(tmp, bad).start(wait=False) as d:
         assert d.proc is not None and d.proc.wait(60) == 2
-        d.wait_line(message)
+        d.wait_line(message)  # what the start caused: the run's only lines
         assert "READY=1" not in d.notifications
