@@ -3,14 +3,17 @@
 ::
 
     cache = BladedCache.open(model.config, batch_size=1, max_tokens=512, dtype=torch.float32)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(ids, **generate_kwargs(cache), max_new_tokens=64)
     cache.close()
+
+``generate_kwargs(cache)`` passes the cache under the name the installed transformers takes it by
+(:func:`cache_kwarg_name`: ``cache=`` from 5.24, ``past_key_values=`` before).
 
 Prefix reuse (bladed keeps the KV of earlier prompts; docs/transformers.md)::
 
     cache = BladedCache.open(model.config, 1, max_tokens, dtype=torch.float32, prompt_ids=ids, model_id="org/name")
-    out = model.generate(ids, past_key_values=cache, ...)  # prefills only ids[:, cache.prefix_tokens:]
-    cache.retain(out[0], close=True)                        # keep this request's KV for the next
+    out = model.generate(ids, **generate_kwargs(cache), ...)  # prefills only ids[:, cache.prefix_tokens:]
+    cache.retain(out[0], close=True)                          # keep this request's KV for the next
 
 Every layer's K/V is written to bladed as it is produced (prefill: all
 tokens; decode: the new token at its offset). Only the layer being computed
@@ -28,6 +31,7 @@ ntokens)``, ``group(layer, kind)``; see ``bladed.kvstore``) or opens a
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Sequence
@@ -49,6 +53,28 @@ def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dty
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return Geometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
                          dtype_bytes=dtype_bytes(dtype), max_tokens=max_tokens)
+
+
+@functools.cache
+def cache_kwarg_name() -> str:
+    """The keyword the installed transformers takes a cache by, in ``generate`` and in a model's forward.
+
+    ``"cache"`` from transformers 5.24.0 on: 5.24 renamed ``past_key_values`` to ``cache`` (``generate``
+    and every model's forward) and warns (FutureWarning) at the old name, which 6.0 removes.
+    ``"past_key_values"`` before (4.57 to 5.23 have no ``cache``). Told by feature, not by version:
+    ``cache`` among the names generation holds the cache under (``generation.utils.ALL_CACHE_NAMES``:
+    4.57 to 5.23 ``["past_key_values", "cache_params", ...]``, 5.24 ``["cache", "state", ...]``).
+    The one place bladed decides it: the docs and tests pass the cache through :func:`generate_kwargs`
+    (the runner computes its own attention and hands transformers no cache).
+    """
+    from transformers.generation import utils as generation
+
+    return "cache" if "cache" in getattr(generation, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
+def generate_kwargs(cache: Cache) -> dict[str, Cache]:
+    """``model.generate(ids, **generate_kwargs(cache), ...)``: the cache under :func:`cache_kwarg_name`."""
+    return {cache_kwarg_name(): cache}
 
 
 class _Transfer:
@@ -423,4 +449,4 @@ def _token_ids(ids: Any) -> list[int]:
     raise ValueError(f"token ids must be a tensor or a list of ints, got {type(ids).__name__}")
 
 
-__all__ = ["BladedCache", "BladedLayer", "Geometry", "geometry_for"]
+__all__ = ["BladedCache", "BladedLayer", "Geometry", "cache_kwarg_name", "generate_kwargs", "geometry_for"]

@@ -36,8 +36,16 @@ def prompt(cfg: ModelConfig, batch: int, length: int, seed: int = 1) -> torch.Te
     return torch.randint(3, cfg.vocab_size, (batch, length), generator=g)
 
 
-def hf_greedy(hf: Any, ids: torch.Tensor, gen_len: int, **kw: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """transformers' own greedy generation: (new tokens [batch, gen_len], raw logits per step)."""
+def hf_greedy(hf: Any, ids: torch.Tensor, gen_len: int, cache: Any = None,
+              **kw: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' own greedy generation: (new tokens [batch, gen_len], raw logits per step).
+
+    ``cache``: a ``Cache`` to generate with (None: transformers' own), passed by the name the installed
+    transformers takes it by (``bladed.hf.generate_kwargs``)."""
+    if cache is not None:
+        from bladed.hf import generate_kwargs  # imports transformers: only where a cache is passed
+
+        kw.update(generate_kwargs(cache))
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
                       do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
     return out.sequences[:, ids.shape[1]:], [x.float() for x in out.logits]

@@ -83,7 +83,7 @@ def run(daemon: DaemonProcess, hf: Any, ids: torch.Tensor,
     cache = open_cache(daemon, hf, ids)
     try:
         with forward_lengths(hf) as lengths:
-            tokens, logits = hf_greedy(hf, ids, GEN, past_key_values=cache)
+            tokens, logits = hf_greedy(hf, ids, GEN, cache=cache)
         kept = cache.retain(ids_of(ids, tokens), close=True) if retain else {}
     finally:
         cache.close()
@@ -162,7 +162,7 @@ def test_generate_with_other_ids_than_the_cache_was_opened_for_is_refused(daemon
     ids = prompt(CFG, 1, 16, seed=9)
     run(daemon, hf, ids)
     with open_cache(daemon, hf, ids) as cache, pytest.raises(ValueError) as err:
-        hf_greedy(hf, prompt(CFG, 1, 20, seed=9), GEN, past_key_values=cache)
+        hf_greedy(hf, prompt(CFG, 1, 20, seed=9), GEN, cache=cache)
     assert str(err.value) == ("the first forward brings 5 tokens after the 15 reused ones, but the cache was "
                               "opened for a prompt of 16 tokens; pass the same ids to "
                               "BladedCache.open(prompt_ids=) and to generate")
