@@ -462,6 +462,32 @@ class DaemonProcess:
             self.stop()
 
 
+def end_process(proc: subprocess.Popen[Any], grace: float = 10.0) -> int:
+    """End ``proc`` and every process below it, whatever process group or session they are in: SIGTERM first
+    (so that it can end what it started), SIGKILL after ``grace`` s; waited for. Its exit status."""
+    import procguard  # not at the top: the client process (this file run as a script) does without pytest
+
+    below = procguard.descendants(list(procguard.processes()), proc.pid)  # before they can be orphaned
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    procguard.end(below, grace)  # only those still running: each checked by pidfd and start time
+    return proc.returncode
+
+
+@contextlib.contextmanager
+def ended(proc: subprocess.Popen[Any], grace: float = 10.0) -> Iterator[subprocess.Popen[Any]]:
+    """``proc``, ended with everything below it (:func:`end_process`) however the block is left."""
+    try:
+        yield proc
+    finally:
+        end_process(proc, grace)
+
+
 def wait_connections(c: Any, n: int, timeout: float = 30.0, *, queued: bool = False) -> dict[str, Any]:
     """``stats`` through the client ``c``, once the daemon counts exactly ``n`` connections (``c`` among them):
     the teardown of the others, which runs on their own threads after their sessions are closed.

@@ -22,6 +22,7 @@ from daemon_util import ROOT, DaemonProcess, documented_exit_statuses, env_with_
 from bladed.cli.bladectl import cli
 from bladed.cli.common import EXIT_STATUSES
 from bladed.client import Client, PrefixKey
+from bladed.spawn import PrivateDaemon
 
 GEOMETRY = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 KPU = 8 * 4096
@@ -199,18 +200,14 @@ def test_ns_setup_for_a_file_then_the_daemon_serves_it() -> None:
                      "--socket-path", "s.sock", "-o", cfg)
         assert r.exit_code == 0, r.output
         assert f"`bladectl -c {cfg}`" in r.output  # how clients find this daemon
-        proc = subprocess.Popen([sys.executable, "-m", "bladed.server", "--config", cfg], cwd=ROOT,
-                                env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:  # the daemon logs daemon_start once it is listening
-                if "event=daemon_start" in line:
-                    break
+        # `python -m bladed.server --config CFG`, ready at its READY=1 (a notify socket of this test's, as
+        # systemd's); ended (SIGTERM, then SIGKILL) however the block is left
+        with PrivateDaemon(["--config", cfg], env=env_with_repo(), cwd=ROOT,
+                           log_path=os.path.join(tmp, "daemon.log")).start() as daemon:
+            daemon.wait_ready(60)
             st = one_object(run("-c", cfg, "status", "--json", cwd=tmp))
             assert st["device"]["path"] == os.path.join(tmp, "kv.img") and st["region"]["bytes"] == 32 << 20
-        finally:
-            proc.terminate()
-            assert proc.wait(30) == 0
+            assert daemon.stop() == 0, daemon.log_tail()
 
 
 # -- what the new user found (docs/operations.md, bladectl) -------------------------------------

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from daemon_util import ROOT, DaemonProcess, env_with_repo, short_tmpdir
+from daemon_util import ROOT, DaemonProcess, ended, env_with_repo, short_tmpdir
 
 #: a fenced block marked runnable: (language, mark, body)
 RUNNABLE = re.compile(r"^```(python|sh|bash) (runnable|runnable-with-daemon)\n(.*?)^```$", re.S | re.M)
@@ -84,9 +84,11 @@ def quick_start() -> Iterator[DaemonProcess]:
                                              if mark == "runnable-with-daemon"],
                          ids=lambda v: v if ".md:" in v else "")
 def test_python_snippet_runs_as_written_beside_a_daemon(quick_start: DaemonProcess, where: str, body: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", body], cwd=quick_start.cwd, env=reader_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=600)
+    before = quick_start.mark()  # the daemon is shared by the module: only what the snippet causes counts
+    with ended(subprocess.Popen([sys.executable, "-c", body], cwd=quick_start.cwd, env=reader_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) as proc:
+        out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{where} failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
     # through this daemon: the snippet's process opened a session and closed it (or closed it retaining its KV)
-    assert quick_start.wait_event("session_close", pid=proc.pid)["reason"] in ("closed", "retained")
+    closed = quick_start.wait_event("session_close", after=before, pid=proc.pid)
+    assert closed["reason"] in ("closed", "retained")

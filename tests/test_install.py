@@ -10,6 +10,7 @@ cached root is rebuilt weekly) and 2.5-3.5 minutes cold, depending on the load (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -31,7 +32,12 @@ def test_install_sh_in_a_fresh_debian12_root() -> None:
     except subprocess.TimeoutExpired:
         # SIGTERM: the script's EXIT trap removes its root copy; the mounts die with its namespace
         os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)     # what the trap did not end in time
+            proc.wait()
         pytest.fail(f"tools/test-install.sh took over {TIMEOUT_S} s; its output:\n{out[-6000:]}")
     lines = out.splitlines()
     errors = [ln for ln in lines if "error:" in ln or "FAIL" in ln]

@@ -249,8 +249,8 @@ def test_prefixes_are_scoped_to_the_uid() -> None:
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
 def test_a_prefix_survives_a_restart(how: str) -> None:
-    with short_tmpdir() as d:
-        dp = DaemonProcess(d, config(3 * KPU, "8M")).start()
+    with short_tmpdir() as d, DaemonProcess(d, config(3 * KPU, "8M")) as dp:
+        dp.start()
         tokens = prompt(48)
         with Client(dp.socket_path) as c:
             entry = retain_prompt(c, tokens, "kept")["entry"]
@@ -259,15 +259,15 @@ def test_a_prefix_survives_a_restart(how: str) -> None:
         else:
             dp.kill()
         with dp.start(), Client(dp.socket_path) as c:
-            dp.wait_event("prefix_restore", kept="1")
+            dp.wait_event("prefix_restore", kept="1")        # what the start itself does, once
             with c.open_session(GEO, channels=1, prefix=key(tokens)) as s:
                 assert (s.prefix_tokens, s.prefix_entry) == (48, entry)
                 assert read_kv(s, 48) == expected("kept", 48)
 
 
 def test_a_prefix_that_no_longer_verifies_is_dropped_at_start_up() -> None:
-    with short_tmpdir() as d:
-        dp = DaemonProcess(d, config(0, "8M")).start()
+    with short_tmpdir() as d, DaemonProcess(d, config(0, "8M")) as dp:
+        dp.start()
         tokens = prompt(32)
         with Client(dp.socket_path) as c:
             retain_prompt(c, tokens, "to-corrupt")
@@ -286,8 +286,8 @@ def test_a_prefix_that_no_longer_verifies_is_dropped_at_start_up() -> None:
 
 
 def test_a_half_written_prefix_is_reclaimed_never_served() -> None:
-    with short_tmpdir() as d:
-        dp = DaemonProcess(d, config(0, "8M")).start()
+    with short_tmpdir() as d, DaemonProcess(d, config(0, "8M")) as dp:
+        dp.start()
         tokens = prompt(32)
         with Client(dp.socket_path) as c:
             retain_prompt(c, tokens, "half")
@@ -315,8 +315,8 @@ def test_evicted_prefix_blocks_read_back_as_zeroes() -> None:
 
 
 def test_killed_daemon_while_retaining_leaves_nothing_leaked() -> None:
-    with short_tmpdir() as d:
-        dp = DaemonProcess(d, config(0, "8M")).start()
+    with short_tmpdir() as d, DaemonProcess(d, config(0, "8M")) as dp:
+        dp.start()
         with Client(dp.socket_path) as c:
             for i in range(3):
                 retain_prompt(c, prompt(32, i + 1), f"s{i}")

@@ -588,11 +588,12 @@ def test_a_peer_that_stops_reading_loses_its_session_not_a_worker(daemon: Daemon
         with contextlib.suppress(OSError):  # the daemon gave up on us: that is the point
             c.sock.sendall(blob)
 
+    flooding = daemon.mark()  # the daemon is shared by the module: only what follows the flood counts
     t = threading.Thread(target=flood, daemon=True)
     t.start()
-    ev = daemon.wait_event("session_close", session=sid, timeout=60)
+    ev = daemon.wait_event("session_close", after=flooding, session=sid, timeout=60)
     assert ev["reason"] != "closed"
-    daemon.wait_line("reply not delivered")
+    daemon.wait_line("reply not delivered", after=flooding)
     t.join(30)
     c.close()
     assert_serving(daemon)

@@ -7,7 +7,9 @@ closing TRIMs all of it.  A demotion without memory for its buffers is
 refused, counted, and carried out by a later re-plan.
 
 Waits block on the daemon's structured log events (``replan``,
-``kpu_demoted``) with deadlines; nothing sleeps.
+``kpu_demoted``) logged after the action they follow (a mark taken before
+it: :func:`shrink` returns the one before its SIGHUP), with deadlines;
+nothing sleeps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 from cgroup_util import ChildCgroup
-from daemon_util import ClientProcess, DaemonProcess, UnixHTTPConnection, scrape, short_tmpdir
+from daemon_util import ClientProcess, DaemonProcess, Mark, UnixHTTPConnection, scrape, short_tmpdir
 from test_daemon import has_data
 from test_faults import assert_clean, oom_kills
 
@@ -43,10 +45,11 @@ def tmp():
         yield d
 
 
-def shrink(d: DaemonProcess, override: int) -> None:
+def shrink(d: DaemonProcess, override: int) -> Mark:
+    """``budget.override`` and SIGHUP; the mark taken before the signal, to wait for what it causes."""
     d.config["budget"]["override"] = override
     d.write_config()
-    d.signal(signal.SIGHUP)
+    return d.signal(signal.SIGHUP)
 
 
 def session_row(c: ClientProcess, sid: str) -> dict[str, Any]:
@@ -77,14 +80,14 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         assert c.call("write_all", seed=1)["paths"] == ["pagecache"] * 4 + ["direct"] * 4
         assert pc_files(tmp) == {"k0", "v0", "k1", "v1"}
 
-        shrink(d, 2 * KPU)
-        ev = d.wait_event("replan", session=sid)
+        hup = shrink(d, 2 * KPU)
+        ev = d.wait_event("replan", after=hup, session=sid)
         assert ev["demoted"] == "k1,v1" and int(ev["grant"]) == 2 * KPU
         # the next op on a demoted KPU is served on the NVMe-direct path, with the same bytes
         r = c.call("read_check", layer=1, kind="v", seed=1)
         assert r["path"] == "direct" and r["match"]
-        d.wait_event("kpu_demoted", session=sid, kpu="k1")
-        d.wait_event("kpu_demoted", session=sid, kpu="v1")
+        d.wait_event("kpu_demoted", after=hup, session=sid, kpu="k1")
+        d.wait_event("kpu_demoted", after=hup, session=sid, kpu="v1")
         assert c.call("check_all", seed=1)["bad"] == []
         assert pc_files(tmp) == {"k0", "v0"}
 
@@ -110,8 +113,9 @@ def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
         r0 = c.call("read_check", layer=0, kind="k", seed=1)
         assert r0["path"] == "pagecache" and r0["match"]
 
+        close = d.mark()
         c.call("close")
-        assert int(d.wait_event("session_close", session=sid)["trimmed_bytes"]) == 6 * KPU
+        assert int(d.wait_event("session_close", after=close, session=sid)["trimmed_bytes"]) == 6 * KPU
         assert pc_files(tmp) == set()
 
 
@@ -127,10 +131,10 @@ def test_reserved_extent_and_packed_rows(tmp: str) -> None:
         # v0 only partly filled: the demotion copies the filled rows
         c.call("write", layer=0, kind="v", token_start=0, ntokens=7, seed=4)
 
-        shrink(d, 0)
-        assert d.wait_event("replan", session=sid)["demoted"] == "k0,v0"
-        d.wait_event("kpu_demoted", session=sid, kpu="k0")
-        d.wait_event("kpu_demoted", session=sid, kpu="v0")
+        hup = shrink(d, 0)
+        assert d.wait_event("replan", after=hup, session=sid)["demoted"] == "k0,v0"
+        d.wait_event("kpu_demoted", after=hup, session=sid, kpu="k0")
+        d.wait_event("kpu_demoted", after=hup, session=sid, kpu="v0")
         assert pc_files(tmp) == set()
         assert c.call("read_check", layer=0, kind="v", token_start=0, ntokens=7, seed=4)["match"]
         r = c.call("read_check", layer=0, kind="k", seed=3)
@@ -139,8 +143,9 @@ def test_reserved_extent_and_packed_rows(tmp: str) -> None:
         assert row["extent"] == ext and row["group1_kpus"] == 0 and row["demoted_kpus"] == 2
         assert row["demoted_bytes"] == 2 * U_KPU
         assert journal_extents(tmp, sid) == [[ext["start"], ext["nblocks"]]]
+        close = d.mark()
         c.call("close")
-        assert int(d.wait_event("session_close", session=sid)["trimmed_bytes"]) == 6 * 4 * 4096
+        assert int(d.wait_event("session_close", after=close, session=sid)["trimmed_bytes"]) == 6 * 4 * 4096
 
 
 def test_cachepolicy_switches_to_drop_after_use_and_direct_never_changes(tmp: str) -> None:
@@ -153,10 +158,10 @@ def test_cachepolicy_switches_to_drop_after_use_and_direct_never_changes(tmp: st
         assert c.call("write_all", seed=5)["paths"] == ["pagecache"] * 8
         assert c.call("read_check", layer=1, kind="k", seed=5)["hit_ratio"] == 1.0
 
-        shrink(d, 2 * KPU)
-        assert d.wait_event("replan", session=sid)["demoted"] == "k1,v1"
-        d.wait_event("kpu_demoted", session=sid, kpu="k1")
-        d.wait_event("kpu_demoted", session=sid, kpu="v1")
+        hup = shrink(d, 2 * KPU)
+        assert d.wait_event("replan", after=hup, session=sid)["demoted"] == "k1,v1"
+        d.wait_event("kpu_demoted", after=hup, session=sid, kpu="k1")
+        d.wait_event("kpu_demoted", after=hup, session=sid, kpu="v1")
         first = c.call("read_check", layer=1, kind="k", seed=5)
         again = c.call("read_check", layer=1, kind="k", seed=5)
         assert first["path"] == again["path"] == "pagecache" and first["match"] and again["match"]
@@ -258,11 +263,11 @@ def open_models(c: Client, geometries: list[dict[str, int]], channels: int = 2) 
     return models
 
 
-def wait_demotions(d: DaemonProcess, sid: str) -> list[str]:
-    """The KPUs the session's first ``replan`` named, once each is ``kpu_demoted``."""
-    names = d.wait_event("replan", session=sid)["demoted"].split(",")
+def wait_demotions(d: DaemonProcess, sid: str, after: Mark) -> list[str]:
+    """The KPUs the session's first ``replan`` after ``after`` named, once each is ``kpu_demoted`` (after it)."""
+    names = d.wait_event("replan", after=after, session=sid)["demoted"].split(",")
     for name in names:
-        ev = d.wait_event("kpu_demoted", session=sid, kpu=name)
+        ev = d.wait_event("kpu_demoted", after=after, session=sid, kpu=name)
         assert ev["path"] == "direct"
     return names
 
@@ -272,9 +277,10 @@ def close_and_check_clean(d: DaemonProcess, c: Client, models: list[Model], stor
     lba = c.stats()["lba_size"]
     extents = {r["session"]: r["extent"] for r in c.sessions()}
     for m in models:
+        close = d.mark()
         m.sess.close()
         ext = extents[m.sess.id]
-        trimmed = int(d.wait_event("session_close", session=m.sess.id)["trimmed_bytes"])
+        trimmed = int(d.wait_event("session_close", after=close, session=m.sess.id)["trimmed_bytes"])
         assert trimmed == (ext["nblocks"] * lba if ext else 0)
         if ext:
             assert not has_data(store, ext["start"] * lba, ext["nblocks"] * lba), ext
@@ -294,8 +300,8 @@ def test_sighup_demotion_keeps_every_byte(tmp: str, device: tuple[dict[str, Any]
         assert m.sess.plan["aligned"] == (m.sess.token_bytes % lba == 0)
         assert all(k["padded_bytes"] == align_up(m.sess.kpu_bytes, lba) for k in m.sess.plan["kpus"])
 
-        shrink(d, 0)
-        assert sorted(wait_demotions(d, m.sess.id)) == sorted(f"{k}{layer}" for layer, k in m.kv)
+        hup = shrink(d, 0)
+        assert sorted(wait_demotions(d, m.sess.id, hup)) == sorted(f"{k}{layer}" for layer, k in m.kv)
         assert set(m.check().values()) == {"direct"}
         assert m.more() == {"direct"}
         m.check()
@@ -310,8 +316,8 @@ def test_sighup_demotion_keeps_every_byte(tmp: str, device: tuple[dict[str, Any]
         # the budget grows back: nothing is promoted or moved, every byte still reads back
         d.config["budget"].update(override=BIG, cap=BIG)
         d.write_config()
-        d.signal(signal.SIGHUP)
-        d.wait_event("reload", applied="budget.override,budget.cap")
+        hup = d.signal(signal.SIGHUP)
+        d.wait_event("reload", after=hup, applied="budget.override,budget.cap")
         assert set(m.check().values()) == {"direct"}
         assert len(d.events("kpu_demoted")) == len(m.kv) and len(d.events("replan")) == 1
         close_and_check_clean(d, c, [m], store)
@@ -336,9 +342,10 @@ def test_cgroup_limit_cut_demotes_and_keeps_every_byte(tmp: str, device: tuple[d
             # oldest most of its; written-back file pages are what the kernel reclaims to fit the new limit
             os.sync()
             cut = sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (3 << 20)
+            before = d.mark()
             cg.set_limit(cut)
 
-            demoted = {m.sess.id: wait_demotions(d, m.sess.id) for m in models}
+            demoted = {m.sess.id: wait_demotions(d, m.sess.id, before) for m in models}
             for m in models[1:]:
                 assert sorted(demoted[m.sess.id]) == sorted(f"{k}{layer}" for layer, k in m.kv)
             assert 1 <= len(demoted[models[0].sess.id]) < len(models[0].kv)
@@ -378,16 +385,17 @@ def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp:
             soft, hard = resource.prlimit(d.pid, resource.RLIMIT_AS)
             resource.prlimit(d.pid, resource.RLIMIT_AS, (vm_bytes(d.pid) + (512 << 10), hard))
             try:
+                cut = d.mark()
                 cg.set_limit(sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (64 << 10))
-                names = d.wait_event("replan", session=sid)["demoted"].split(",")
+                names = d.wait_event("replan", after=cut, session=sid)["demoted"].split(",")
                 assert sorted(names) == sorted(f"{k}{layer}" for layer, k in m.kv)
                 for name in names:
-                    d.wait_event("kpu_demotion_failed", session=sid, kpu=name)
+                    d.wait_event("kpu_demotion_failed", after=cut, session=sid, kpu=name)
             finally:
                 resource.prlimit(d.pid, resource.RLIMIT_AS, (soft, hard))
             cg.set_limit(512 << 20)                      # memory back
             for name in names:
-                line = d.wait_line(f"event=kpu_demotion_failed session={sid} kpu={name} ")
+                line = d.wait_line(f"event=kpu_demotion_failed session={sid} kpu={name} ", after=cut)
                 assert 'error="cannot map' in line and "staging memory" in line, line
             # nothing moved: every KPU still on the page-cache path with every byte, writes still work
             assert set(m.check().values()) == {"pagecache"}
@@ -403,9 +411,9 @@ def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp:
             m.check()
 
             # the next re-plan carries the moves out
-            shrink(d, 0)
+            hup = shrink(d, 0)
             for name in names:
-                d.wait_event("kpu_demoted", session=sid, kpu=name)
+                d.wait_event("kpu_demoted", after=hup, session=sid, kpu=name)
             assert set(m.check().values()) == {"direct"}
             assert m.more() == {"direct"}
             m.check()

@@ -14,6 +14,7 @@ import json
 import os
 import pty
 import queue
+import select
 import signal
 import socket
 import struct
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_util import ROOT, DaemonProcess, env_with_repo, short_tmpdir
+from daemon_util import ROOT, DaemonProcess, end_process, ended, env_with_repo, short_tmpdir
 from runner_util import CONFIGS, hf_model
 
 from bladed.client import Client
@@ -62,7 +63,10 @@ def tmp() -> Iterator[str]:
 
 
 class Live:
-    """A runner process whose stderr lines are waited on as they come (a reader thread, deadlines)."""
+    """A runner process whose stderr lines are waited on as they come (reader threads, deadlines).
+
+    :meth:`wait_line` takes the lines in the order the runner wrote them, each wait from the line after the
+    previous wait's match: a line can only satisfy the wait that follows what it reports."""
 
     def __init__(self, *args: str, new_session: bool = False) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "bladed.runner", *args], cwd=ROOT, env=env_with_repo(),
@@ -70,7 +74,10 @@ class Live:
                                      text=True, start_new_session=new_session)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
+        self._out: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
+        self._out_reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._out_reader.start()
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
@@ -78,12 +85,22 @@ class Live:
             self._q.put(line.rstrip("\n"))
         self._q.put(None)
 
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        self._out.append(self.proc.stdout.read())
+
+    def _next(self, deadline: float, what: str) -> str | None:
+        left = deadline - time.monotonic()
+        try:
+            return self._q.get(timeout=max(left, 0.0))
+        except queue.Empty:
+            raise AssertionError(f"timed out waiting for {what}; stderr so far: {self.lines[-20:]}") from None
+
     def wait_line(self, prefix: str, timeout: float = TIMEOUT) -> str:
+        """The first stderr line after the last one taken that starts with ``prefix``."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no stderr line {prefix!r} in time: {self.lines}"
-            line = self._q.get(timeout=left)
+            line = self._next(deadline, f"a stderr line {prefix!r}")
             assert line is not None, f"the runner exited ({self.proc.wait()}) before {prefix!r}: {self.lines}"
             self.lines.append(line)
             if line.startswith(prefix):
@@ -91,17 +108,16 @@ class Live:
 
     def finish(self, timeout: float = TIMEOUT) -> tuple[int, str]:
         """Exit status and stdout; the rest of stderr lands in ``lines``."""
-        assert self.proc.stdout is not None
-        out = self.proc.stdout.read()
-        rc = self.proc.wait(timeout)
-        while (line := self._q.get(timeout=timeout)) is not None:
+        deadline = time.monotonic() + timeout
+        while (line := self._next(deadline, "the runner's exit (stderr at its end)")) is not None:
             self.lines.append(line)
-        return rc, out
+        self._out_reader.join(max(deadline - time.monotonic(), 0.0))
+        assert not self._out_reader.is_alive(), f"the runner's stdout is still open after {timeout:g} s"
+        return self.proc.wait(max(deadline - time.monotonic(), 0.0)), self._out[0]
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    def end(self) -> None:
+        """End the runner and what it started (a spawned bladed): SIGTERM, SIGKILL after a grace period."""
+        end_process(self.proc)
 
 
 @contextlib.contextmanager
@@ -110,7 +126,7 @@ def live(*args: str, new_session: bool = False) -> Iterator[Live]:
     try:
         yield r
     finally:
-        r.kill()
+        r.end()
 
 
 def daemon_pid(line: str) -> int:
@@ -357,16 +373,16 @@ def test_json_is_one_object_on_stdout_with_the_stop_reason_and_no_progress() -> 
 def test_a_terminal_gets_one_updating_progress_line_cleared_before_the_results() -> None:
     main_fd, sub_fd = pty.openpty()
     fcntl.ioctl(sub_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "bladed.runner", *TINY, "--backend", "memory", "--gen-len", "6"],
-                            cwd=ROOT, env=env_with_repo(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=sub_fd)
-    os.close(sub_fd)
-    got = b""
-    with contextlib.suppress(OSError):  # EIO once the runner has closed the terminal
-        while chunk := os.read(main_fd, 4096):
-            got += chunk
-    os.close(main_fd)
-    out = proc.communicate(timeout=TIMEOUT)[0].decode()
+    with ended(subprocess.Popen([sys.executable, "-m", "bladed.runner", *TINY, "--backend", "memory", "--gen-len",
+                                 "6"], cwd=ROOT, env=env_with_repo(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=sub_fd)) as proc:
+        os.close(sub_fd)
+        got = b""
+        with contextlib.suppress(OSError):  # EIO once the runner has closed the terminal
+            while select.select([main_fd], [], [], TIMEOUT)[0] and (chunk := os.read(main_fd, 4096)):
+                got += chunk
+        os.close(main_fd)
+        out = proc.communicate(timeout=TIMEOUT)[0].decode()
     assert proc.returncode == 0
     err = got.decode()
     # the steps and the decode rate rewrite one line in place; the prefill line stays

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from bladectl_util import bladectl, failure, one_line, one_object
-from daemon_util import DaemonProcess, env_with_repo, short_tmpdir
+from daemon_util import DaemonProcess, ended, env_with_repo, short_tmpdir
 
 from bladed.client import Client, DaemonLostError
 from bladed.config import find_socket
@@ -37,9 +37,9 @@ def here(d: DaemonProcess) -> str:
 
 def python(*args: str, cwd: str) -> tuple[subprocess.CompletedProcess[str], int]:
     """``python ARGS`` from ``cwd`` without BLADED_SOCKET: its result and its pid."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env_with_repo(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=600)
+    with ended(subprocess.Popen([sys.executable, *args], cwd=cwd, env=env_with_repo(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)) as proc:
+        out, err = proc.communicate(timeout=600)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), proc.pid
 
 
@@ -50,10 +50,11 @@ def test_bladectl_finds_the_quick_start_daemon(quick_start: DaemonProcess) -> No
 
 
 def test_the_runner_finds_the_quick_start_daemon(quick_start: DaemonProcess) -> None:
+    before = quick_start.mark()  # the daemon is shared by the module: only what the runner causes counts
     r, pid = python("-m", "bladed.runner", "--model", "tiny-opt", "--prompt-len", "4", "--gen-len", "2", "--json",
                     cwd=here(quick_start))
     assert r.returncode == 0, r.stderr
-    assert quick_start.wait_event("session_close", pid=pid)
+    assert quick_start.wait_event("session_close", after=before, pid=pid)
 
 
 def test_the_client_library_finds_it_and_says_where_it_looked(quick_start: DaemonProcess,
