@@ -19,8 +19,10 @@ import json
 import mmap
 import os
 import pathlib
+import queue
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -131,23 +133,42 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    """A subprocess running :func:`_serve`: ``call(cmd, **args)`` returns its JSON answer."""
+    """A subprocess running :func:`_serve`: ``call(cmd, **args)`` returns its JSON answer, within a deadline."""
 
-    def __init__(self, cgroup: ChildCgroup | None = None) -> None:
+    def __init__(self, cgroup: ChildCgroup | None = None, timeout: float = 120.0) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
+        self.timeout = timeout
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, cwd=str(REPO), env=env)
         self.pid = self.proc.pid
-        self.call("ping")           # the interpreter is up and idle
-        if cgroup is not None:
-            cgroup.add(self.pid)
+        self._replies: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            self.call("ping")           # the interpreter is up and idle
+            if cgroup is not None:
+                cgroup.add(self.pid)
+        except BaseException:
+            self.close()
+            raise
 
-    def call(self, cmd: str, **args: Any) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._replies.put(line)
+        self._replies.put("")           # EOF: the worker is gone
+
+    def call(self, cmd: str, timeout: float | None = None, **args: Any) -> Any:
+        """The worker's answer to one command (it answers in order); ``timeout``: the instance's by default."""
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"cmd": cmd, "args": args}) + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        limit = self.timeout if timeout is None else timeout
+        try:
+            line = self._replies.get(timeout=limit)
+        except queue.Empty:
+            raise WorkerError(f"worker {self.pid} did not answer {cmd!r} within {limit:g} s") from None
         if not line:
             raise WorkerError(f"worker {self.pid} died (exit status {self.proc.wait()}) during {cmd!r}")
         reply = json.loads(line)
@@ -156,6 +177,7 @@ class Worker:
         return reply["result"]
 
     def close(self) -> None:
+        """Close its stdin (it exits); SIGKILL if it has not within 30 s."""
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
             with contextlib.suppress(BrokenPipeError):
@@ -165,7 +187,8 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout is not None:
+        self._reader.join(30)           # at EOF once the worker is gone
+        if self.proc.stdout is not None and not self._reader.is_alive():
             self.proc.stdout.close()
 
     def __enter__(self) -> Worker:

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
-from daemon_util import DaemonProcess, short_tmpdir
+from daemon_util import DaemonProcess, short_tmpdir, wait_connections
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -405,10 +405,8 @@ def run_fuzz(d: DaemonProcess, ncases: int, seed: int) -> dict[str, object]:
     secs = time.monotonic() - t0
     assert d.proc is not None and d.proc.poll() is None, "bladed died under fuzzing:\n" + d.log()[-4000:]
     with Client(d.socket_path) as c:
-        deadline = time.monotonic() + 30
-        while c.stats()["sessions"] and time.monotonic() < deadline:
-            c.status()  # teardown of the last fuzz connection runs on its reader thread
-        stats = c.stats()
+        # every fuzz connection torn down (on its reader thread), one cut short before its accept too
+        stats = wait_connections(c, 1, queued=True)
         assert stats["sessions"] == 0 and stats["extents"]["used_blocks"] == 0, stats
     assert_well_behaved_client_works(d)
     after_fds = fd_count(d.pid)
@@ -504,15 +502,19 @@ MAX_CHANNELS = FUZZ_CONFIG["io"]["max_channels"]
 
 
 def wait_region_free(sock: socket.socket, reader: FrameReader, timeout: float = 30.0) -> int:
-    """The region's size in bytes, once the sessions of earlier tests are torn down (their connections are
-    closed; teardown runs on the daemon's reader threads)."""
+    """The region's size in bytes, once the connections of earlier tests (each answered, so accepted) are torn
+    down: their sessions closed and extents freed, ``sock`` the daemon's only connection. Each check is a
+    round trip on ``sock``, not a sleep."""
     deadline = time.monotonic() + timeout
     while True:
         send_frame(sock, {"op": "status", "id": 8})
         status = reader.read().body
-        if status["sessions"] == 0 or time.monotonic() > deadline:
+        if status["connections"] == 1:
             assert status["sessions"] == 0 and status["extents"]["used_blocks"] == 0, status
             return int(status["region"]["bytes"])
+        assert time.monotonic() < deadline, (f"timed out after {timeout:g} s waiting for earlier connections to go; "
+                                             f"seen: {status['connections']} connections, {status['sessions']} "
+                                             "sessions")
 
 
 @st.composite

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from daemon_util import ended
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tools" / "nvme-vm" / "run-in-nvme-vm.sh"
@@ -127,8 +128,10 @@ def test_vm_suite_passes(case: VMCase, tmp_path: Path) -> None:
     # once.  A failure after the command started is never retried.
     for _attempt in range(2):
         lines: list[str] = []
+        # ended(): however the test ends (pytest-timeout too), the harness gets SIGTERM (its trap stops QEMU),
+        # then it and everything below it SIGKILL
         with subprocess.Popen(cmd, cwd=REPO, env=_guest_env(), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc, ended(proc, 60):
             assert proc.stdout is not None
             for line in proc.stdout:          # streamed: visible live with -s, kept for the report
                 print(line, end="", flush=True)

@@ -181,8 +181,8 @@ def test_close_waits_for_copies_in_other_threads(store: PageCacheStore) -> None:
     ts = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
     for t in ts:
         t.start()
-    for e in started:
-        e.wait()
+    for i, e in enumerate(started):
+        assert e.wait(60), f"reader {i} neither read nor failed within 60 s"
     f.close()                                    # must not unmap under a running memmove (that would segfault)
     for t in ts:
         t.join()

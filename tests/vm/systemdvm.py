@@ -69,7 +69,11 @@ def show(unit: str, *props: str) -> dict[str, str]:
 
 
 class JournalWatch:
-    """The journal lines of ``unit`` logged after this object was made, waited for with a deadline."""
+    """The journal lines of ``unit`` logged after this object was made, waited for with a deadline.
+
+    :meth:`wait` looks at the lines after a mark (:meth:`mark`, taken before the action whose line is
+    awaited), or by default at those after the previous wait's match: right when the awaited line can only
+    follow that one. The watch itself starts at the journal's cursor when it is made."""
 
     def __init__(self, unit: str) -> None:
         # the journal's last entry, whatever its unit (a unit that never logged has no entry of its own)
@@ -77,7 +81,9 @@ class JournalWatch:
         m = re.search(r"^-- cursor: (\S+)", out, re.M)
         assert m, f"journalctl printed no cursor: {out!r}"
         self.lines: list[str] = []
+        self._next = 0                      # where a wait without a mark starts: after the last match
         self._q: queue.Queue[str | None] = queue.Queue()
+        self._ended = False
         self._proc = subprocess.Popen(
             ["journalctl", "--unit", unit, "--follow", "--output=cat", "--no-pager", f"--after-cursor={m.group(1)}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
@@ -89,27 +95,53 @@ class JournalWatch:
             self._q.put(line.rstrip("\n"))
         self._q.put(None)
 
-    def wait(self, pattern: str, timeout: float = TIMEOUT) -> re.Match[str]:
-        """The first line (since the last match) that matches ``pattern``."""
+    def _take(self, timeout: float) -> bool:
+        """Move one line that arrived (waiting up to ``timeout`` s for it) to :attr:`lines`; False if none."""
+        if self._ended:
+            return False
+        try:
+            line = self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return False
+        if line is None:
+            self._ended = True
+            return False
+        self.lines.append(line)
+        return True
+
+    def mark(self) -> int:
+        """How many lines have arrived: take it before an action, wait ``after`` it."""
+        while self._take(0):
+            pass
+        return len(self.lines)
+
+    def wait(self, pattern: str, timeout: float = TIMEOUT, *, after: int | None = None) -> re.Match[str]:
+        """The first line after ``after`` (default: after the previous wait's match) that matches ``pattern``."""
         rx = re.compile(pattern)
+        i = self._next if after is None else after
         deadline = time.monotonic() + timeout
         while True:
+            while i < len(self.lines):
+                m = rx.search(self.lines[i])
+                i += 1
+                if m:
+                    self._next = i
+                    return m
             left = deadline - time.monotonic()
-            try:
-                line = self._q.get(timeout=max(0.0, left))
-            except queue.Empty:
-                raise AssertionError(f"no journal line matching {pattern!r} within {timeout:.0f} s; "
-                                     f"lines so far:\n" + "\n".join(self.lines[-40:])) from None
-            if line is None:
+            if left <= 0:
+                raise AssertionError(f"no journal line matching {pattern!r} within {timeout:.0f} s; seen: "
+                                     f"{len(self.lines) - (self._next if after is None else after)} line(s), "
+                                     f"the last {self.lines[-1] if self.lines else None!r}")
+            if not self._take(left) and self._ended:
                 raise AssertionError(f"journalctl ended before a line matched {pattern!r}")
-            self.lines.append(line)
-            m = rx.search(line)
-            if m:
-                return m
 
     def close(self) -> None:
         self._proc.terminate()
-        self._proc.wait(30)
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
     def __enter__(self) -> JournalWatch:
         return self

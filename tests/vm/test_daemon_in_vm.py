@@ -52,8 +52,9 @@ def test_daemon_on_the_namespace_with_a_client_in_the_vm(vm_config: VMConfig) ->
                           timeout=TIMEOUT)["match"]
             st = CliRunner().invoke(cli, ["--socket", d.socket_path, "stats", "--json"])
             assert json.loads(st.output)["io"]["direct"]["write"]["bytes"] == 4 * kpu + 4096
+            close = d.mark()
             c.call("close", timeout=TIMEOUT)
-            closed = d.wait_event("session_close", TIMEOUT)
+            closed = d.wait_event("session_close", TIMEOUT, after=close, session=opened["session"])
             assert int(closed["trimmed_bytes"]) == ext["nblocks"] * lba
         assert d.stop(TIMEOUT) == 0
 

@@ -60,7 +60,7 @@ def test_new_session_never_reads_an_earlier_sessions_blocks(vm_config: VMConfig,
     start = (64 if zero_freed == "auto" else 80) << 20   # away from what the other VM tests write
     with short_tmpdir() as tmp, DaemonProcess(tmp, region_cfg(NG_PATH, lba, start, zero_freed)) as d:
         d.start(timeout=TIMEOUT)
-        scrub = d.wait_event("region_scrub", TIMEOUT)      # first start, no journal: the region is scrubbed
+        scrub = d.wait_event("region_scrub", TIMEOUT)      # first start, no journal: the start scrubs the region
         assert scrub["reason"] == "no_journal" and int(scrub["trimmed_bytes"]) == REGION_KPUS * KPU
         st = remanence_round(d, "direct")
         assert st["trimmed_bytes"] == 2 * 4 * KPU          # both sessions' extents deallocated
@@ -83,9 +83,9 @@ def test_failing_nvme_commands_reach_the_client_and_nothing_else(vm_config: VMCo
     with short_tmpdir() as tmp:
         # no journal: the whole region must be scrubbed first, and the bad sector's deallocate and
         # Write Zeroes fail, so the daemon refuses to serve blocks that may hold someone's KV cache
-        refused = DaemonProcess(tmp, cfg).start(wait=False)
-        assert refused.proc is not None and refused.proc.wait(TIMEOUT) != 0
-        refused.wait_line("refusing to serve", TIMEOUT)
+        with DaemonProcess(tmp, cfg).start(wait=False) as refused:
+            assert refused.proc is not None and refused.proc.wait(TIMEOUT) != 0
+            refused.wait_line("refusing to serve", TIMEOUT)     # what its start caused: the run's only lines
 
         # the journal a previous clean instance leaves (empty, this region): no whole-region scrub
         with open(os.path.join(tmp, "journal.json"), "w") as f:

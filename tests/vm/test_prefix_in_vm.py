@@ -41,7 +41,7 @@ def test_a_retained_prefix_on_the_namespace(vm_config: VMConfig) -> None:
                 assert read_kv(s, 48) == expected("vm", 48)
         assert d.stop(TIMEOUT) == 0
         d.start(timeout=TIMEOUT)
-        d.wait_event("prefix_restore", TIMEOUT, kept="1")
+        d.wait_event("prefix_restore", TIMEOUT, kept="1")       # what the (re)start itself does, once
         with Client(d.socket_path, timeout=TIMEOUT) as c:
             with c.open_session(GEO, channels=1, prefix=key(tokens)) as s:
                 assert s.prefix_tokens == 48

@@ -227,7 +227,7 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
         assert (p["ActiveState"], p["SubState"]) == ("active", "running"), p
         assert p["StatusText"].startswith(f"serving on {SOCKET}: nvme /dev/bladed/kv"), p
         pid = int(p["MainPID"])
-        journal.wait(r"event=daemon_start .*backend=nvme device=/dev/bladed/kv")
+        journal.wait(r"event=daemon_start .*backend=nvme device=/dev/bladed/kv", after=0)   # the watch's start
         bladed_uid = os.stat("/var/lib/bladed").st_uid
         ps = proc_status(pid)
         assert ps["Uid"].split() == [str(bladed_uid)] * 4 and ps["Gid"].split() == [str(gid)] * 4, ps
@@ -274,16 +274,18 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
 
                 # -- reload: re-reads the file, applies what it can ----------------------------------
                 CONFIG.write_text(config(lba, log={"level": "debug"}, budget={"cap": "1G"}))
+                reload = journal.mark()
                 run("systemctl", "reload", "bladed.service")
-                applied = journal.wait(r"event=reload applied=(\S+)").group(1).split(",")
+                applied = journal.wait(r"event=reload applied=(\S+)", after=reload).group(1).split(",")
                 assert {"log.level", "budget.cap"} <= set(applied), applied
                 assert show("bladed.service", "MainPID")["MainPID"] == str(pid)
 
                 # -- stop with the session open: drain, TRIM, remove the page-cache files ------------
+                stop = journal.mark()
                 run("systemctl", "stop", "bladed.service")
-                closed = journal.wait(r"event=session_close .*reason=shutdown.* trimmed_bytes=(\d+)")
+                closed = journal.wait(r"event=session_close .*reason=shutdown.* trimmed_bytes=(\d+)", after=stop)
                 assert int(closed.group(1)) == ext["nblocks"] * lba
-                journal.wait(r"event=daemon_stop ")
+                journal.wait(r"event=daemon_stop ", after=stop)
         p = show("bladed.service", "ActiveState", "Result", "ExecMainStatus")
         assert (p["ActiveState"], p["Result"], p["ExecMainStatus"]) == ("inactive", "success", "0"), p
     # QEMU's namespace reads zeroes after a deallocate (DLFEAT 1)
