@@ -91,6 +91,7 @@ __all__ = [
     "RemoteIOError",
     "Session",
     "ShuttingDownError",
+    "clear_cuda_error",
     "geometry_dict",
 ]
 
@@ -410,17 +411,24 @@ class Session:
         self.pinned = self._pin() if pin or (pin is None and _cuda_ready()) else False
 
     def _pin(self) -> bool:
-        import torch  # only reached when torch is imported or pinning was asked for
+        """Page-lock the staging mapping for CUDA DMA (``cudaHostRegister``); False, with a warning, when that
+        fails: the session still works, its GPU copies are then staged through pageable memory."""
+        try:
+            import torch  # only reached when torch is imported or pinning was asked for
 
-        if not torch.cuda.is_available():
+            if not torch.cuda.is_available():
+                return False
+            rc = torch.cuda.cudart().cudaHostRegister(_address(self._mapping), len(self._mapping), 0)
+        except Exception as e:  # e.g. CUDA initialised before a fork: refused in the child
+            log.warning("cannot page-lock the %d staging bytes for CUDA (%s); GPU copies stay pageable",
+                        len(self._mapping), e)
             return False
-        ptr = _address(self._mapping)
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, len(self._mapping), 0)
-        ok = int(rc) == 0 if not hasattr(rc, "value") else rc.value == 0
-        if not ok:
+        if _cuda_rc(rc) != 0:
+            clear_cuda_error()
             log.warning("cudaHostRegister of %d staging bytes failed (%s); GPU copies stay pageable",
                         len(self._mapping), rc)
-        return ok
+            return False
+        return True
 
     def slot(self, ch: int) -> memoryview:
         """Channel ``ch``'s staging slot (``slot_bytes``; by default one KPU, token ``t`` at ``t * token_bytes``)."""
@@ -564,10 +572,18 @@ class Session:
 
     def _unmap(self) -> None:
         if self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(_address(self._mapping))
+            # unregister while the pages are still mapped: the mapping goes right after
             self.pinned = False
+            try:
+                import torch
+
+                rc = torch.cuda.cudart().cudaHostUnregister(_address(self._mapping))
+            except Exception as e:  # CUDA already torn down (interpreter exit): the registration went with it
+                log.debug("cudaHostUnregister of the staging memory: %s", e)
+            else:
+                if _cuda_rc(rc) != 0:
+                    clear_cuda_error()
+                    log.warning("cudaHostUnregister of the staging memory failed (%s)", rc)
         self._view.release()
         try:
             self._mapping.close()
@@ -587,6 +603,37 @@ def _cuda_ready() -> bool:
         return bool(torch is not None and torch.cuda.is_available())
     except Exception:  # a broken CUDA install must not break CPU use
         return False
+
+
+_CUDART: list[Any] = []
+
+
+def clear_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error (``cudaGetLastError``) after a failed call through
+    ``torch.cuda.cudart()``: torch's bindings return the error and leave it set, and torch's next kernel
+    launch check would raise it as its own. Through the libcudart this process mapped (torch's); nothing
+    when there is none (a runtime linked statically keeps its error to itself)."""
+    import ctypes
+
+    if not _CUDART:
+        path = None
+        with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libcudart.so"):
+                    path = parts[-1]
+                    break
+        try:
+            _CUDART.append(ctypes.CDLL(path) if path else None)
+        except OSError:
+            _CUDART.append(None)
+    if _CUDART[0] is not None:
+        _CUDART[0].cudaGetLastError()
+
+
+def _cuda_rc(rc: Any) -> int:
+    """A ``cudaError_t`` from ``torch.cuda.cudart()`` as an int (an enum member or an int, by torch version)."""
+    return int(rc.value) if hasattr(rc, "value") else int(rc)
 
 
 def _address(mapping: mmap.mmap) -> int:

@@ -17,6 +17,7 @@ K/V between torch tensors and a slot with one ``copy_``.
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections import defaultdict
@@ -138,7 +139,9 @@ class MemoryKV:
     def __init__(self, geometry: Geometry, channels: int = 2, groups: dict[int, int] | None = None) -> None:
         self.geometry = geometry
         self._channels = channels
-        self._slots = [bytearray(geometry.kpu_bytes) for _ in range(channels)]
+        # page-aligned memory of its own per slot (anonymous mappings, not bytearrays that may share a page):
+        # on CUDA the runner page-locks each slot, and a second registration of a shared page would fail
+        self._slots = [mmap.mmap(-1, geometry.kpu_bytes) for _ in range(channels)]
         self._store: dict[tuple[int, str], bytearray] = {}
         self._groups = groups or {}
 
@@ -359,9 +362,13 @@ class SlotTensors:
             raw = torch.frombuffer(mv, dtype=torch.uint8)[: g.kpu_bytes]
             t = raw.view(dtype).view(g.max_tokens, g.batch, g.kv_heads, g.head_dim)
             if pin and torch.cuda.is_available():
+                from bladed.client import clear_cuda_error
+
                 rc = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
                 if int(rc) == 0:
                     self._registered.append(raw.data_ptr())
+                else:  # the copies stay pageable; torch must not trip over the error the call left
+                    clear_cuda_error()
             self.views.append(t)
 
     def put(self, ch: int, token_start: int, kv: torch.Tensor) -> None:
@@ -379,8 +386,11 @@ class SlotTensors:
 
     def close(self) -> None:
         if self._registered and torch.cuda.is_available():
+            from bladed.client import clear_cuda_error
+
             for ptr in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+                if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+                    clear_cuda_error()
         self._registered.clear()
         self.views.clear()
 

@@ -257,10 +257,21 @@ def _bind(fn: Callable[[int, LoadJob], Any], i: int, job: LoadJob) -> Callable[[
 
 
 class TorchDma:
-    """The H2D step. CPU: a tensor copy. CUDA: a copy on a separate stream, waited on with an event.
+    """The copies between staging slots and the compute device. CPU: a tensor copy. CUDA: copies on a stream of
+    the copy thread's own, waited on with an event.
 
-    ``copy(fn)`` runs ``fn`` (which issues the copies) and returns once the
-    copies are complete, so the staging slot can be reused.
+    ``run(fn)`` runs ``fn`` (which issues the copies) and returns once the copies are complete, so the staging
+    slot can be reused. The *consumer* stream is the one current on the thread that made this object (the
+    compute thread's); on CUDA two stream hazards are handled here:
+
+    * a copy *from* the device reads what the consumer stream produced, so the copy stream first waits for
+      it: for the event ``after`` (:meth:`produced`, recorded on the compute thread when it handed the tensor
+      over: that work and no later), else for everything queued on the consumer stream so far (the safe
+      default). A copy that reads host memory only (slot to device) passes ``independent=True`` and waits
+      for nothing, so it overlaps the compute;
+    * a tensor that ``fn`` allocates on the copy stream and returns is used on the consumer stream: it is
+      recorded there (``record_stream``), so the caching allocator does not hand its memory to the next copy
+      while the consumer stream may still read it.
     """
 
     def __init__(self, device: Any = "cpu") -> None:
@@ -270,6 +281,8 @@ class TorchDma:
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._streams: dict[int, Any] = {}
         self._torch = torch
+        #: where the copies' results are used: the stream current on the thread that made this object
+        self.consumer = torch.cuda.current_stream(self.device) if self.cuda else None
 
     def stream(self) -> Any:
         if not self.cuda:
@@ -280,17 +293,38 @@ class TorchDma:
             s = self._streams[tid] = self._torch.cuda.Stream(device=self.device)
         return s
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def produced(self) -> Any:
+        """On the compute thread: an event after the work queued so far on its current stream, for ``run(after=)``
+        of a copy that reads that work's output; None on CPU."""
+        if not self.cuda:
+            return None
+        ev = self._torch.cuda.Event()
+        ev.record(self._torch.cuda.current_stream(self.device))
+        return ev
+
+    def run(self, fn: Callable[[], T], after: Any = None, *, independent: bool = False) -> T:
         if not self.cuda:
             return fn()
         torch = self._torch
         s = self.stream()
         with torch.cuda.stream(s):
+            if after is not None:
+                s.wait_event(after)
+            elif not independent:
+                s.wait_stream(self.consumer)
             out = fn()
             ev = torch.cuda.Event()
             ev.record(s)
         ev.synchronize()
+        self._hand_over(out)
         return out
+
+    def _hand_over(self, out: Any) -> None:
+        """Record the CUDA tensors in ``out`` (a tensor, or a tuple or list of them) on the consumer stream."""
+        items = out if isinstance(out, tuple | list) else (out,)
+        for t in items:
+            if isinstance(t, self._torch.Tensor) and t.is_cuda and self.consumer is not None:
+                t.record_stream(self.consumer)
 
 
 __all__ = ["PIPELINE_MODES", "AdaptivePipeline", "CopyThread", "CopyThreadPool", "GroupSample", "LoadHandle",

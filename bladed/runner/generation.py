@@ -483,23 +483,27 @@ class _Generation:
 
     def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int) -> torch.Tensor:
         """Copy thread: DMA the staging slot's first ``ntokens`` tokens to the device, heads-first."""
-        return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda))
+        # reads host memory only: no wait for the compute stream, so it overlaps the layer computing now
+        return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda),
+                            independent=True)
 
     def _submit_write(self, layer: int, gpu_batch: int, kind: Kind, new: torch.Tensor) -> None:
         """Queue the write of ``new`` (this step's tokens of a K or V, at ``position``) on its copy thread."""
         channel = self.channel[kind]
+        # CUDA: ``new`` is computed on this thread's stream; the copy thread's stream waits for that work
         job = partial(self._write_kv, self.backends[gpu_batch], self.slots[gpu_batch], self.backend_layer[layer],
-                      kind, self.position, new)
+                      kind, self.position, new, self.dma.produced())
         write = self.copy_threads.submit(channel, job)
         if not self.policy.overlap:
             write.result()
         self.writes.append(write)
 
     def _write_kv(self, backend: KVBackend, slots: SlotTensors, backend_layer: int, kind: Kind, token_start: int,
-                  new: torch.Tensor) -> Any:
-        """Copy thread: copy ``new`` into the staging slot at ``token_start``, then write those tokens."""
+                  new: torch.Tensor, produced: Any = None) -> Any:
+        """Copy thread: copy ``new`` into the staging slot at ``token_start`` (on CUDA once the compute stream has
+        ``produced`` it), then write those tokens."""
         channel = self.channel[kind]
-        self.dma.run(lambda: slots.put(channel, token_start, new))
+        self.dma.run(lambda: slots.put(channel, token_start, new), after=produced)
         op = backend.write(backend_layer, kind, channel, token_start, new.shape[2])
         self.stats.add(op, False)
         return op
