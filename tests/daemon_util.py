@@ -350,13 +350,15 @@ class DaemonProcess:
 
     @staticmethod
     def _since(after: Mark | None) -> str:
-        return "since the start" if after is None else f"after line {after.lines} of run {after.run}"
+        if after is None:
+            return "since the start"
+        return f"after the mark (run {after.run}, line {after.lines}, notification {after.notifications})"
 
     def _seen_lines(self, after: Mark | None, keep: Callable[[str], bool] = lambda _: True) -> str:
         lines = [ln for ln in self.lines[self._origin(after).lines:] if keep(ln)]
         if not lines:
             return "no line"
-        return f"{len(lines)} line(s), the last {lines[-1][:300]!r}"
+        return f"{len(lines)} line(s), the last {lines[-1][:160]!r}"
 
     def _seen_events(self, after: Mark | None) -> str:
         names = [f.get("event") for f in map(logfmt_fields, self.lines[self._origin(after).lines:]) if f.get("event")]
