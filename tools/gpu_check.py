@@ -281,6 +281,7 @@ class Ctx:
     no_daemon: str | None = None     # why the daemon cannot run here (None: it can)
     cuda: bool | None = None
     torch: bool | None = None
+    assume_no_io_uring: bool = False  # rehearse a kernel without io_uring (a gVisor sandbox)
 
     @property
     def rehearse(self) -> bool:
@@ -532,10 +533,15 @@ def _step_child(ctx: Ctx, step: str, extra: Sequence[str] = ()) -> Result:
 
 def step_uring(ctx: Ctx) -> Result:
     if ctx.extension is None:
+        ctx.no_daemon = "bladed._uring did not build"
         return {"status": "not_run", "reason": "no extension (the build failed)"}
     res = _step_child(ctx, "uring", ["--extension", ctx.extension])
-    if res.get("status") == "passed" and not res.get("data", {}).get("io_uring"):
+    if res.get("status") != "passed":
+        ctx.no_daemon = f"bladed._uring does not load: {_short(str(res.get('reason')))}"
+    elif not res.get("data", {}).get("io_uring"):
         ctx.no_daemon = f"no io_uring: {res['data'].get('reason')}"
+    elif ctx.assume_no_io_uring:
+        ctx.no_daemon = "no io_uring: assumed (--assume-no-io-uring)"
     return res
 
 
@@ -608,12 +614,13 @@ STEPS: tuple[tuple[str, Callable[[Ctx], Result]], ...] = (
 )
 
 
-def check(mode: str, out_dir: str, carry: str, budget_s: float, keep: bool) -> int:
+def check(mode: str, out_dir: str, carry: str, budget_s: float, keep: bool, no_io_uring: bool = False) -> int:
     os.makedirs(out_dir, exist_ok=True)
     log = Log(os.path.join(out_dir, LOG_NAME))
     started = time.monotonic()
     work = _work_dir(mode)
-    ctx = Ctx(mode=mode, out_dir=out_dir, work=work, carry=carry, log=log, deadline=started + budget_s)
+    ctx = Ctx(mode=mode, out_dir=out_dir, work=work, carry=carry, log=log, deadline=started + budget_s,
+              assume_no_io_uring=no_io_uring)
     doc: Result = {"schema": SCHEMA, "mode": mode, "started": now(), "root": ROOT, "carry": carry,
                    "budget_s": budget_s, "steps": {}}
     log(f"gpu_check {mode}: work {work}, carry {carry}, out {out_dir}, budget {budget_s:.0f} s")
@@ -943,6 +950,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="overall time budget in seconds (default: 420 on the GPU box, 240 in a rehearsal)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--assume-no-io-uring", action="store_true",
+                   help="behave as on a kernel without io_uring (the daemon's parts not run): rehearses a sandbox")
     p.add_argument("--no-simulate", action="store_true",
                    help="--prepare: do not simulate the box with a local Python 3.12")
     a = p.parse_args(argv)
@@ -952,7 +961,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "rehearse" if a.rehearse else "gpu"
     out = os.path.abspath(a.out or os.environ.get("OUT") or "gpu-check")
     budget = a.budget_s if a.budget_s is not None else (240.0 if a.rehearse else 420.0)
-    return check(mode, out, carry, budget, a.keep)
+    return check(mode, out, carry, budget, a.keep, a.assume_no_io_uring)
 
 
 if __name__ == "__main__":

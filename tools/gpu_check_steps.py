@@ -181,6 +181,9 @@ def step_bandwidth(a: argparse.Namespace) -> Result:
         del pinned, pageable
     if a.no_daemon:
         data["staging_slot"] = None
+        if cuda:
+            assert dev is not None
+            data["memfd_registered"] = _memfd_registered(dev)
         if not cuda:
             return {"status": "not_run", "reason": f"no CUDA; and the daemon is not runnable here: {a.no_daemon}",
                     "data": data}
@@ -227,9 +230,43 @@ def step_bandwidth(a: argparse.Namespace) -> Result:
                                       "did not overlap the kernel", "data": data}
 
 
+def _memfd_registered(dev: Any) -> Result:
+    """Without a daemon: a memfd mapping page-locked the way the client pins its staging memory (the daemon's
+    half of Co-DMA aside), its bandwidth and what CUDA says of it."""
+    import mmap
+
+    import torch
+    from gpu_cuda import bandwidth, host_memory
+
+    from bladed.client import clear_cuda_error
+
+    fd = os.memfd_create("gpu-check-staging", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, SLOT_BYTES)
+        mapping = mmap.mmap(fd, SLOT_BYTES)
+    finally:
+        os.close(fd)
+    t = torch.frombuffer(mapping, dtype=torch.uint8)
+    ptr = int(t.data_ptr())
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, SLOT_BYTES, 0))
+    out: Result = {"cudaHostRegister_rc": rc}
+    try:
+        if rc != 0:
+            clear_cuda_error()
+            return out
+        out["cuda_says"] = host_memory(ptr)
+        out.update(bandwidth(t, dev))
+    finally:
+        if rc == 0:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        del t
+        mapping.close()
+    return out
+
+
 def _bw_summary(data: Result) -> Result:
     s: Result = {}
-    for key in ("staging_slot", "torch_pinned", "pageable"):
+    for key in ("staging_slot", "memfd_registered", "torch_pinned", "pageable"):
         d = data.get(key) or {}
         if "h2d_GBps" in d:
             s[key] = {"h2d_GBps": d["h2d_GBps"], "d2h_GBps": d["d2h_GBps"]}
