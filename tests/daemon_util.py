@@ -522,7 +522,11 @@ class ClientProcess:
         self._out: queue.Queue[str | None] = queue.Queue()
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
-        self.hello = self._next(timeout)
+        try:
+            self.hello = self._next(timeout)
+        except BaseException:
+            self.kill()
+            raise
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
