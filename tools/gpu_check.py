@@ -8,7 +8,8 @@
     python3 tools/gpu_check.py --out "$OUT"               # on the GPU box, from the repository root
 
 On the GPU box it installs the carried wheels into a private ``--target`` directory, unpacks Debian's
-liburing with ``dpkg -x`` into a private prefix, builds the cffi extension (``bladed._uring``) against it,
+liburing with ``dpkg -x`` into a private prefix (both under ``var/gpu-check``, git-ignored), builds the cffi
+extension (``bladed._uring``) against it,
 probes io_uring, starts a private daemon (file-backed store in a temporary directory), runs the ``cuda``
 tests (``tests/test_cuda.py``) and the measurements (staging-slot bandwidth and copy/kernel overlap, runner
 tokens/s with KV through bladed against KV kept in GPU memory, one KV sweep point with real DMA and real
@@ -287,6 +288,13 @@ class Ctx:
     def rehearse(self) -> bool:
         return self.mode == "rehearse"
 
+    @property
+    def installs(self) -> str:
+        """Where the wheels, liburing and the build go: for good on the GPU box (``var/gpu-check``, git-ignored:
+        the extension installed into ``bladed/`` keeps finding liburing by its rpath), in the work directory in a
+        rehearsal."""
+        return self.work if self.rehearse else os.path.join(ROOT, "var", "gpu-check")
+
     def timeout(self, step: str) -> float:
         base = TIMEOUTS[step][1 if self.rehearse else 0]
         return max(5.0, min(float(base), self.deadline - time.monotonic() - 10.0))
@@ -362,7 +370,7 @@ def step_install(ctx: Ctx) -> Result:
                          "imports": imp}}
     missing = [n for n in names if not any(os.path.basename(w).lower().startswith(n.replace("-", "_") + "-")
                                            for w in wheels)]
-    site = os.path.join(ctx.work, "site")
+    site = os.path.join(ctx.installs, "site")
     shutil.rmtree(site, ignore_errors=True)
     match = sys.version_info[:2] == BOX_PY
     argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
@@ -413,15 +421,22 @@ def step_liburing(ctx: Ctx) -> Result:
         if os.path.exists("/usr/include/liburing.h"):
             return {"status": "passed", "data": {"prefix": None, "note": "no carry here: the system's liburing-dev"}}
         return {"status": "failed", "reason": "no carried liburing and no /usr/include/liburing.h"}
-    if shutil.which("dpkg") is None:
-        return {"status": "failed", "reason": "dpkg is not installed: cannot unpack the carried liburing"}
-    prefix = os.path.join(ctx.work, "liburing")
+    prefix = os.path.join(ctx.installs, "liburing")
     shutil.rmtree(prefix, ignore_errors=True)
     os.makedirs(prefix)
+    how = "dpkg -x"
     for deb in debs:
-        c = run_child(["dpkg", "-x", deb, prefix], timeout=ctx.timeout("liburing"), log=ctx.log, what="dpkg -x")
-        if c.rc != 0:
-            return {"status": "failed", "reason": f"dpkg -x {os.path.basename(deb)}: {tail(c.out, 3)}"}
+        c = run_child(["dpkg", "-x", deb, prefix], timeout=ctx.timeout("liburing"), log=ctx.log, what="dpkg -x") \
+            if shutil.which("dpkg") else None
+        if c is None or c.rc != 0:
+            # no dpkg (or a broken one): a .deb is an ar archive holding data.tar.*; unpack that here
+            why = "no dpkg" if c is None else f"dpkg -x failed: {tail(c.out, 2)}"
+            try:
+                unpack_deb(deb, prefix)
+            except (OSError, ValueError, tarfile.TarError) as e:
+                return {"status": "failed", "reason": f"{os.path.basename(deb)}: {why}; unpacking it here: {e}"}
+            how = f"unpacked by gpu_check ({why})"
+            ctx.log(f"liburing: {os.path.basename(deb)} {how}")
     lib = glob.glob(os.path.join(prefix, "usr", "lib", "*", "liburing.so.2*"))
     hdr = os.path.join(prefix, "usr", "include", "liburing.h")
     if not lib or not os.path.exists(hdr):
@@ -430,8 +445,30 @@ def step_liburing(ctx: Ctx) -> Result:
     # the built extension finds it by its rpath; the prebuilt one (a fallback) through this
     lib_dir = _libdir(prefix)
     ctx.env["LD_LIBRARY_PATH"] = os.pathsep.join(x for x in (lib_dir, os.environ.get("LD_LIBRARY_PATH")) if x)
-    return {"status": "passed", "data": {"prefix": prefix, "debs": [os.path.basename(d) for d in debs],
+    return {"status": "passed", "data": {"prefix": prefix, "how": how, "debs": [os.path.basename(d) for d in debs],
                                          "lib": sorted(os.path.basename(x) for x in lib)}}
+
+
+def unpack_deb(deb: str, dest: str) -> None:
+    """``dpkg -x DEB DEST`` without dpkg: the ``data.tar.{xz,gz,bz2,}`` member of the ar archive, extracted."""
+    with open(deb, "rb") as f:
+        if f.read(8) != b"!<arch>\n":
+            raise ValueError("not an ar archive")
+        while True:
+            header = f.read(60)
+            if len(header) < 60:
+                raise ValueError("no data.tar member")
+            name = header[:16].decode().strip().rstrip("/")
+            size = int(header[48:58].decode().strip())
+            body = f.read(size)
+            if size % 2:
+                f.read(1)
+            if name.startswith("data.tar"):
+                import io
+
+                with tarfile.open(fileobj=io.BytesIO(body)) as t:
+                    t.extractall(dest, filter="data")
+                return
 
 
 def _libdir(prefix: str) -> str:
@@ -476,7 +513,7 @@ def step_build(ctx: Ctx) -> Result:
     data: Result = {"compiler": gcc, "ext_suffix": suffix}
     include = None
     if not os.path.exists(os.path.join(python_include(), "Python.h")):
-        carried = os.path.join(ctx.work, "pyinclude")
+        carried = os.path.join(ctx.installs, "pyinclude")
         tgz = os.path.join(ctx.carry, "pyinclude.tar.gz")
         if os.path.exists(tgz):
             with tarfile.open(tgz) as t:
@@ -484,7 +521,7 @@ def step_build(ctx: Ctx) -> Result:
             include = os.path.join(carried, f"python{BOX_PY[0]}.{BOX_PY[1]}")
             data["python_headers"] = "carried (this Python has no Python.h)"
     built, out = (None, "no C compiler (gcc/cc) on PATH") if gcc is None else build_extension(
-        os.path.join(ctx.work, "build"), ctx.prefix, sys.executable, ctx.child_env(), ctx.timeout("build"), ctx.log,
+        os.path.join(ctx.installs, "build"), ctx.prefix, sys.executable, ctx.child_env(), ctx.timeout("build"), ctx.log,
         include)
     target = os.path.join(ROOT, "bladed", "_uring" + suffix)
     status, reason = "passed", None
