@@ -159,5 +159,6 @@ def test_journald_log_lines_carry_priorities() -> None:
 def test_bad_config_stops_start_with_a_clear_message(bad: dict, message: str) -> None:
     with short_tmpdir() as tmp, DaemonProcess(tmp, bad).start(wait=False) as d:
         assert d.proc is not None and d.proc.wait(60) == 2
-        d.wait_line(message)  # what the start caused: the run's only lines
+        assert d.stop() == 2                    # returns with every line and notification in
+        d.wait_line(message)                    # what the start caused: the run's only lines
         assert "READY=1" not in d.notifications

@@ -93,6 +93,7 @@ def test_failing_nvme_commands_reach_the_client_and_nothing_else(vm_config: VMCo
                        "device": {"path": path, "kind": "nvme", "lba_size": lba, "region": region}}, f)
         with DaemonProcess(tmp, cfg) as d:
             d.start(timeout=TIMEOUT)
+            d.wait_event("daemon_start", TIMEOUT)              # its start-up's last line: every earlier one is in
             assert not d.events("region_scrub")
             with Client(d.socket_path, timeout=TIMEOUT) as c:
                 victim_ext = run_victim_and_bystander(c, start // lba)
