@@ -186,7 +186,7 @@ def test_ns_check_and_setup_on_a_loop_device(loop_device: str, store_dir: str) -
                            "--socket-path", "s.sock", "-o", cfg, "--json"))
     assert out["device"]["lba_size"] == 512 and out["systemd_dropin"].endswith(f"{loop_device} rw\n")
     check = subprocess.run([sys.executable, "-m", "bladed.server", "--config", cfg, "--check-config"], cwd=ROOT,
-                           env=env_with_repo(), capture_output=True, text=True)
+                           env=env_with_repo(), capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr
     assert "configuration OK: block" in check.stdout and "region [2048," in check.stdout
     again = bladectl("ns", "setup", loop_device, "-o", cfg)

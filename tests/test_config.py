@@ -176,7 +176,8 @@ def check_config(tmp_path, sections: dict) -> subprocess.CompletedProcess[str]:
     p = tmp_path / "bladed.toml"
     p.write_text(toml_text(sections))
     return subprocess.run([sys.executable, "-m", "bladed.server", "--config", str(p), "--state-dir", str(tmp_path),
-                           "--check-config"], cwd=ROOT, env=env_with_repo(), capture_output=True, text=True)
+                           "--check-config"], cwd=ROOT, env=env_with_repo(), capture_output=True, text=True,
+                          timeout=120)   # a daemon that serves instead of exiting is killed, not waited for
 
 
 def test_check_config_against_the_device(store_dir: str, tmp_path) -> None:
@@ -193,7 +194,7 @@ def test_check_config_against_the_device(store_dir: str, tmp_path) -> None:
     p = tmp_path / "broken.toml"
     p.write_text("[device\n")
     bad = subprocess.run([sys.executable, "-m", "bladed.server", "--config", str(p)], cwd=ROOT,
-                         env=env_with_repo(), capture_output=True, text=True)
+                         env=env_with_repo(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not valid TOML" in bad.stderr
 
 

@@ -144,7 +144,8 @@ def test_check_config_of_an_existing_store_opens_it_without_growing_it(tmp: str)
 
 
 def test_help_documents_the_exit_statuses() -> None:
-    r = subprocess.run([sys.executable, "-m", "bladed.server", "--help"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "bladed.server", "--help"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
     for status, meaning in EXIT_STATUSES:
         assert f"\n  {status:<4} {meaning}" in r.stdout
     assert documented_exit_statuses("bladed status") == {status for status, _ in EXIT_STATUSES}
