@@ -197,7 +197,7 @@ class DaemonProcess:
         self.state_dir = os.path.join(state_dir, "var", "bladed") if embedded else state_dir
         self.cwd = state_dir if embedded else ROOT
         self.extra_env = env or {}
-        self.config = {"device": {"size": "64M"}, "budget": {"interval_s": 60.0}}
+        self.config: dict[str, dict[str, Any]] = {"device": {"size": "64M"}, "budget": {"interval_s": 60.0}}
         for section, keys in (config or {}).items():
             self.config.setdefault(section, {}).update(keys)
         self.config_path = os.path.join(state_dir, "bladed.toml")
