@@ -272,6 +272,7 @@ class DaemonProcess:
             self._cond.notify_all()
 
     def _read_notify(self, sock: socket.socket, notifications: list[str]) -> None:
+        sock.settimeout(None)   # wait_ready's timeout would end this reader after half a second of quiet
         while True:
             try:
                 data = sock.recv(4096)

@@ -15,6 +15,7 @@ NVMe namespace runs the same scenario inside the VM (tests/vm/test_replan_in_vm.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 from daemon_util import DaemonProcess
 from test_daemon import has_data
-from test_replan_live import Model, close_and_check_clean, device, pc_files, shrink, tmp  # noqa: F401
+from test_replan_live import Model, close_and_check_clean, pc_files, shrink
 
 from bladed.client import Client
 
@@ -49,7 +50,7 @@ def kpu_bytes(g: dict[str, int]) -> int:
 def assert_store_confined(store: str, lba: int, extents: dict[str, dict[str, int] | None]) -> None:
     """No byte of the store outside the live extents, and the extents pairwise disjoint."""
     spans = sorted((e["start"], e["start"] + e["nblocks"]) for e in extents.values() if e)
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert end <= start, f"extents overlap: {spans}"
     assert all(s >= REGION_START for s, _ in spans), f"an extent below region_start_lba {REGION_START}: {spans}"
     pos = 0
@@ -74,8 +75,8 @@ def kpus_on(plan: dict[str, Any], path: str) -> list[str]:
 
 @pytest.mark.root
 @pytest.mark.parametrize("room", ["none", "reserved", "partial"])
-def test_four_sessions_demoted_in_one_pass_stay_in_their_extents(tmp: str, device: tuple[dict[str, Any], str],
-                                                                  room: str) -> None:
+def test_four_sessions_demoted_in_one_pass_stay_in_their_extents(
+        tmp: str, device: tuple[dict[str, Any], str], room: str) -> None:
     dev_cfg, store = device
     # "partial": a budget that holds the largest session's first layer, the next one nothing, the two smallest
     # whole: sessions open with and without an extent, one of them with KPUs on both paths
@@ -99,10 +100,10 @@ def test_four_sessions_demoted_in_one_pass_stay_in_their_extents(tmp: str, devic
         for m in models:
             m.check()
 
-        shrink(d, 0)
+        shrunk = shrink(d, 0)
         for m in models:
             for name in to_demote[m.sess.id]:
-                d.wait_event("kpu_demoted", session=m.sess.id, kpu=name)
+                d.wait_event("kpu_demoted", session=m.sess.id, kpu=name, after=shrunk)
         for m in models:
             assert set(m.check().values()) == {"direct"}
         rows = {r["session"]: r for r in c.sessions()}
@@ -129,9 +130,7 @@ def test_four_sessions_demoted_in_one_pass_stay_in_their_extents(tmp: str, devic
             assert m.more() == {"direct"}
         d.config["budget"].update(override=BIG)
         d.write_config()
-        reloads = len(d.events("reload"))
-        d.signal(signal.SIGHUP)
-        d.wait_fields(lambda f: f.get("event") == "reload", count=reloads + 1)
+        d.wait_event("reload", after=d.signal(signal.SIGHUP))
         for m in models:
             assert set(m.check().values()) == {"direct"}
         assert {r["session"]: r["extent"] for r in c.sessions()} == extents

@@ -19,12 +19,11 @@ import os
 import random
 import resource
 import signal
-import subprocess
 from typing import Any
 
 import pytest
 from cgroup_util import ChildCgroup
-from daemon_util import ClientProcess, DaemonProcess, Mark, UnixHTTPConnection, scrape, short_tmpdir
+from daemon_util import ClientProcess, DaemonProcess, Mark, UnixHTTPConnection, scrape
 from test_daemon import has_data
 from test_faults import assert_clean, oom_kills
 
@@ -37,12 +36,6 @@ KPU = 32 * 4096
 #: token = 768 bytes: rows are packed on the extent, 16 in 3 LBAs
 UNALIGNED = {"layers": 3, "batch": 1, "kv_heads": 3, "head_dim": 64, "dtype_bytes": 4, "max_tokens": 20}
 U_KPU = 20 * 768
-
-
-@pytest.fixture
-def tmp():
-    with short_tmpdir() as d:
-        yield d
 
 
 def shrink(d: DaemonProcess, override: int) -> Mark:
@@ -235,19 +228,6 @@ class Model:
                                          f"byte {bad} (token {bad // self.sess.token_bytes}) differs")
                 paths[f"{kind}{layer}"] = r.path
         return paths
-
-
-@pytest.fixture(params=["file", "block"])
-def device(request: pytest.FixtureRequest, tmp: str) -> tuple[dict[str, Any], str]:
-    """The daemon's ``[device]`` section and the file its LBAs live in (the store, or the loop's backing file)."""
-    if request.param == "file":
-        return {}, os.path.join(tmp, "kv-store.img")
-    if os.geteuid() != 0:
-        pytest.fail("loop-device tests need root (run the suite as root, as CI does)")
-    dev = request.getfixturevalue("loop_device")
-    backing = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", dev], check=True, capture_output=True,
-                             text=True).stdout.strip()
-    return {"backend": "block", "path": dev}, backing
 
 
 def open_models(c: Client, geometries: list[dict[str, int]], channels: int = 2) -> list[Model]:

@@ -278,6 +278,9 @@ _REPLAN_COUNTERS = (
     ("bladed_demoted_bytes", "demoted_bytes", "Bytes of those KPUs"),
     ("bladed_demotions_failed", "demotions_failed",
      "Demotions refused (no space, memory or I/O error; the KPU stays where it was)"),
+    ("bladed_extents_moved", "extents_moved",
+     "Session extents moved to a larger run because a demotion could not grow them in place"),
+    ("bladed_extent_moved_bytes", "moved_bytes", "Bytes copied by those moves"),
 )
 
 #: retained prefixes now: (metric, key of PrefixCache.gauges(), help)

@@ -244,18 +244,25 @@ class LiveState:
         self.begin(tensor_id, channel, serve=False)
 
     def done(self, kpu: KPU, nbytes: int) -> None:
+        """The demotion was carried out (the plan has the KPU on its new path): no longer pending, so that
+        whoever sees its event and asks for the session's ``pending_demotions`` finds it gone."""
         with self._cond:
             self.demoted_kpus += 1
             self.demoted_bytes += nbytes
             self.lane_epoch += 1
-            if not self.pending and not (self._moving - {kpu.tensor_id}):
+            self._moving.discard(kpu.tensor_id)
+            if not self.pending and not self._moving:
                 self.target = None
+            self._cond.notify_all()
 
     def gave_up(self, kpu: KPU) -> None:
-        """The demotion could not be carried out: the KPU stays where it is."""
+        """The demotion could not be carried out: the KPU stays where it is (no longer pending, as in
+        :meth:`done`)."""
         with self._cond:
             self.failed += 1
+            self._moving.discard(kpu.tensor_id)
             self.target = None if not self.pending else self.target
+            self._cond.notify_all()
 
 
 class LiveReplanner:
@@ -332,6 +339,7 @@ class LiveReplanner:
         """``ledger.shrink(B_pc)``, then record each affected session's demotions."""
         with self._lock:
             grants = self.manager.ledger.shrink(b.pagecache_budget_bytes)
+            scheduled = 0
             log.debug("budget applied to live sessions", extra=fields(
                 pagecache_budget_bytes=b.pagecache_budget_bytes, reason=b.reason,
                 held_bytes=self.manager.ledger.held_bytes,
@@ -350,6 +358,10 @@ class LiveReplanner:
                 # eager: the demotion worker moves an idle session's KPUs too
                 for k in demoted:
                     self._work.put((sess, k.tensor_id))
+                scheduled += len(demoted)
+            # every demotion of this change is pending from here on (what waits on a budget change wait for)
+            event("budget_applied", pagecache_budget_bytes=b.pagecache_budget_bytes, reason=b.reason,
+                  held_bytes=self.manager.ledger.held_bytes, demotions=scheduled)
 
     # -- carrying one out ----------------------------------------------------------------------
     def carry_out(self, sess: Session, kpu: KPU, channel: Channel) -> None:

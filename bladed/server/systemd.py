@@ -18,6 +18,10 @@ log = logging.getLogger("bladed")
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
+#: how long a notification may wait for room in the manager's queue before it is dropped (logged)
+NOTIFY_TIMEOUT_S = 2.0
+
+
 def sd_notify(*items: str) -> bool:
     """Send ``READY=1``-style lines to ``$NOTIFY_SOCKET``; False when not under systemd."""
     addr = os.environ.get("NOTIFY_SOCKET")
@@ -27,6 +31,8 @@ def sd_notify(*items: str) -> bool:
         addr = "\0" + addr[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            # a manager that stopped reading (its queue full) must not stall the daemon's main loop
+            s.settimeout(NOTIFY_TIMEOUT_S)
             s.sendto("\n".join(items).encode(), addr)
         return True
     except OSError as e:
