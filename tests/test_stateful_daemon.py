@@ -26,7 +26,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -79,6 +79,8 @@ class DaemonMachine(RuleBasedStateMachine):
     """One daemon per example, on a file store, in a memory cgroup of its own."""
 
     sessions = Bundle("sessions")
+    #: what every example did, summed (``tools/reliability.py stateful`` prints it)
+    totals: ClassVar[dict[str, int]] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,6 +121,12 @@ class DaemonMachine(RuleBasedStateMachine):
                 pc = os.path.join(self.tmp, "pagecache")
                 assert not os.path.isdir(pc) or os.listdir(pc) == [], os.listdir(pc)
                 self.check_store()
+                replan = st["replan"]
+                done = {**self.steps, "examples": 1, "demoted_kpus": replan["demoted_kpus"],
+                        "demotions_failed": replan["demotions_failed"], "extents_moved": replan["extents_moved"],
+                        "sessions_opened": st["sessions_opened"], "trimmed_bytes": st["trimmed_bytes"]}
+                for k, v in done.items():
+                    DaemonMachine.totals[k] = DaemonMachine.totals.get(k, 0) + int(v)
                 self.c.close()
                 assert self.d.stop() == 0
         finally:

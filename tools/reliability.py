@@ -5,6 +5,7 @@ tests/test_faults.py and tests/test_soak.py):
     tools/reliability.py fuzz  --cases 1000000 [--seed N]
     tools/reliability.py kills --kills 10000
     tools/reliability.py soak  --seconds 600
+    tools/reliability.py stateful --examples 200 --steps 60 [--seed N]
 
 Each starts its own daemon on a file store in a temporary directory and prints
 one JSON line of figures (for docs/reliability.md).
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seconds", type=float, default=600.0)
     s.add_argument("--sessions", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
+    m = sub.add_parser("stateful", help="the daemon state machine of tests/test_stateful_daemon.py, longer")
+    m.add_argument("--examples", type=int, default=200)
+    m.add_argument("--steps", type=int, default=60)
+    m.add_argument("--seed", type=int, default=int(time.time()))
     a = p.parse_args(argv)
     if a.what == "fuzz":
         from test_fuzz_protocol import fuzz_daemon, run_fuzz
@@ -59,6 +64,17 @@ def main(argv: list[str] | None = None) -> int:
             st = assert_clean(d, c, None, None)
             out.update(sessions_opened=st["sessions_opened"], trimmed_bytes=st["trimmed_bytes"],
                        rss_before=rss0, rss_after=psutil.Process(d.pid).memory_info().rss)
+    elif a.what == "stateful":
+        from hypothesis import seed, settings
+        from test_stateful_daemon import CI_SETTINGS, DaemonMachine
+
+        DaemonMachine.totals.clear()
+        DaemonMachine.TestCase.settings = settings(CI_SETTINGS, max_examples=a.examples,
+                                                   stateful_step_count=a.steps, database=None)
+        t0 = time.monotonic()
+        seed(a.seed)(DaemonMachine.TestCase)("runTest").runTest()
+        out = {"examples": a.examples, "max_steps": a.steps, "seed": a.seed,
+               "seconds": round(time.monotonic() - t0, 1), **DaemonMachine.totals}
     else:
         from test_soak import SOAK_CONFIG, run_soak
 
