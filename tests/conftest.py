@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from bladed.io import StagingBuffer
+from bladed.io.file import supports_o_direct
 
 # tests/vm runs inside the QEMU NVMe VM (driven by tests/test_nvme_vm.py)
 collect_ignore = ["vm"]
@@ -35,22 +36,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def store_dir(tmp_path: pathlib.Path) -> str:
     """A fresh directory on a filesystem that supports O_DIRECT (tmpfs does not:
     then fall back to ``var/test`` inside the checkout)."""
-    if _supports_direct(str(tmp_path)):
+    if supports_o_direct(str(tmp_path)):
         return str(tmp_path)
     base = pathlib.Path(__file__).resolve().parent.parent / "var" / "test"
     base.mkdir(parents=True, exist_ok=True)
     return tempfile.mkdtemp(dir=base)
-
-
-def _supports_direct(d: str) -> bool:
-    path = os.path.join(d, ".odirect-probe")
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path)
-    return True
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ from daemon_util import ROOT, DaemonProcess, env_with_repo
 from runner_util import CONFIGS, assert_same, hf_model, prompt
 
 from bladed.client import Client, Session
+from bladed.io.file import supports_o_direct
 from bladed.kvstore import BladedKV, Geometry, MemoryKV
 from bladed.pipeline import CopyThreadPool, TorchDma
 from bladed.runner.generation import GenerationResult, Policy, Runner
@@ -63,24 +64,13 @@ def _tools_module(name: str) -> ModuleType:
 gpu_cuda = _tools_module("gpu_cuda")  # host_memory, copy_overlap, SMOLLM2_135M
 
 
-def _o_direct(d: str) -> bool:
-    path = os.path.join(d, ".odirect-probe")
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path)
-    return True
-
-
 @contextlib.contextmanager
 def store_dir() -> Iterator[str]:
     """A short directory (the socket lives there) on a filesystem with O_DIRECT (the file store needs it)."""
     for base in ("/tmp", "/var/tmp", os.path.join(ROOT, "var")):
         os.makedirs(base, exist_ok=True)
         d = tempfile.mkdtemp(prefix="bdc-", dir=base)
-        if _o_direct(d) and len(d) < 70:
+        if supports_o_direct(d) and len(d) < 70:
             break
         shutil.rmtree(d, ignore_errors=True)
     else:

@@ -206,6 +206,7 @@ def io_uring_syscall() -> dict[str, Any]:
 
 
 def supports_o_direct(d: str) -> bool:
+    # bladed.io.file.supports_o_direct, which this script cannot import before it has built the extension
     path = os.path.join(d, ".odirect-probe")
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)

@@ -17,6 +17,18 @@ DEFAULT_FILE_LBA = 4096
 DEFAULT_MAX_COMMAND = 1 << 20
 
 
+def supports_o_direct(directory: str) -> bool:
+    """Can a store file in ``directory`` be opened with O_DIRECT (tmpfs, for one, cannot)?"""
+    path = os.path.join(directory, ".odirect-probe")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+
+
 class FileDevice(ExtentDevice):
     """A regular file used as an array of ``lba_size`` blocks."""
 

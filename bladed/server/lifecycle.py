@@ -10,7 +10,7 @@ from typing import Any
 
 from bladed.config import Config, ConfigError, validate_device
 from bladed.io import BladedIOError, Engine, ExtentDevice, open_device
-from bladed.residency.extents import ExtentAllocator
+from bladed.residency.extents import Extent, ExtentAllocator
 from bladed.server.events import event
 from bladed.server.metrics import Stats
 from bladed.server.state import QUARANTINED, READY, Journal, RetainedRecord, SessionRecord
@@ -48,6 +48,25 @@ def scrub(device: ExtentDevice, start: int, nblocks: int, *, always_zero: bool =
             log.error("Write Zeroes of LBA [%d, %d) failed: %s", start, start + nblocks, e)
             return trimmed, 0, False
     return trimmed, zeroed, True
+
+
+def scrub_and_free(device: ExtentDevice, allocator: ExtentAllocator, stats: Stats, ext: Extent, *,
+                   always_zero: bool, owner: str) -> tuple[int, int, bool]:
+    """:func:`scrub` a run that ``owner`` (a session, a retained prefix) wrote to, count it, and give it back
+    to ``allocator`` -- unless it could be neither deallocated to zeroes nor zeroed: then it stays out of use
+    (counted in ``quarantined_bytes``; the caller journals it so a restart scrubs it again).  Returns
+    (trimmed bytes, zeroed bytes, freed)."""
+    trimmed, zeroed, safe = scrub(device, ext.start, ext.nblocks, always_zero=always_zero)
+    stats.add("trimmed_bytes", trimmed)
+    stats.add("zeroed_bytes", zeroed)
+    if safe:
+        allocator.free(ext)
+    else:
+        # never hand out blocks that may still hold someone's bytes
+        log.error("%s: extent %d+%d could be neither deallocated to zeroes nor zeroed; keeping it out of use "
+                  "until restart", owner, ext.start, ext.nblocks)
+        stats.add("quarantined_bytes", ext.nblocks * device.lba_size)
+    return trimmed, zeroed, safe
 
 
 def open_store_device(cfg: Config) -> ExtentDevice:

@@ -53,7 +53,7 @@ from bladed.residency.planner import KPU, Mode, Plan, plan_session
 from bladed.server.channel import Channel
 from bladed.server.events import Peer, event
 from bladed.server.integrity import row_crcs
-from bladed.server.lifecycle import scrub
+from bladed.server.lifecycle import scrub_and_free
 from bladed.server.metrics import Stats
 from bladed.server.shared_tier import SharedTier, chain_refs
 from bladed.server.state import READY, WRITING, Journal, RetainedRecord
@@ -610,18 +610,11 @@ class PrefixCache:
         """Scrub and free ``extents``, remove the record's files, and its journal record once nothing is left."""
         quarantined = False
         for ext in extents:
-            trimmed, zeroed, safe = scrub(self.device, ext.start, ext.nblocks,
-                                          always_zero=self.cfg.device.zero_freed == "always")
-            self.stats.add("trimmed_bytes", trimmed)
-            self.stats.add("zeroed_bytes", zeroed)
-            if safe:
-                self.allocator.free(ext)
-            else:
-                # stays in the journal (and out of use): the next start-up tries the scrub again
-                log.error("retained prefix %s: extent %d+%d could not be scrubbed; kept out of use until restart",
-                          rec.id, ext.start, ext.nblocks)
-                self.stats.add("quarantined_bytes", ext.nblocks * self.device.lba_size)
-                quarantined = True
+            # one that cannot be scrubbed stays in the journal (and out of use): the next start-up tries again
+            _, _, freed = scrub_and_free(self.device, self.allocator, self.stats, ext,
+                                         owner=f"retained prefix {rec.id}",
+                                         always_zero=self.cfg.device.zero_freed == "always")
+            quarantined |= not freed
         if rec.pagecache_dir:
             shutil.rmtree(rec.pagecache_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):

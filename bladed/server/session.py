@@ -38,7 +38,7 @@ from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
 from bladed.server.channel import Channel
 from bladed.server.events import Peer, event
 from bladed.server.integrity import Checksums
-from bladed.server.lifecycle import scrub
+from bladed.server.lifecycle import scrub_and_free
 from bladed.server.metrics import Stats
 from bladed.server.prefix import PrefixCache
 from bladed.server.replan import LiveReplanner, LiveState
@@ -584,21 +584,12 @@ class SessionManager:
         """Paper §IV-B: deallocate a run a session wrote to, plus Write Zeroes where a deallocated block may
         still read back old data, then give it back to the allocator -- unless it could be neither: then it
         stays out of use (quarantined, journalled) until a restart scrubs it.  (trimmed, zeroed, freed)."""
-        trimmed, zeroed, safe = scrub(self.device, ext.start, ext.nblocks,
-                                      always_zero=self.cfg.device.zero_freed == "always")
-        self.stats.add("trimmed_bytes", trimmed)
-        self.stats.add("zeroed_bytes", zeroed)
-        if safe:
-            self.allocator.free(ext)
-        else:
-            # never hand out blocks that may still hold this session's bytes
-            log.error("session %s: extent %d+%d could be neither deallocated to zeroes nor zeroed; "
-                      "keeping it out of use until restart", sess.id, ext.start, ext.nblocks)
-            self.stats.add("quarantined_bytes", ext.nblocks * self.device.lba_size)
+        trimmed, zeroed, safe = scrub_and_free(self.device, self.allocator, self.stats, ext, owner=f"session {sess.id}",
+                                               always_zero=self.cfg.device.zero_freed == "always")
+        if not safe:
             # the next start-up tries the scrub again before the blocks are reused
             self.journal.add(SessionRecord(id=f"{sess.id}@{ext.start}", uid=sess.peer.uid, pid=sess.peer.pid,
-                                           mode=QUARANTINED,
-                                           extents=[(ext.start, ext.nblocks)]))
+                                           mode=QUARANTINED, extents=[(ext.start, ext.nblocks)]))
         return trimmed, zeroed, safe
 
     # -- teardown ------------------------------------------------------------------------
