@@ -87,6 +87,7 @@ class ErrorCode(enum.StrEnum):
     INTEGRITY_ERROR = "integrity_error"          # a read's crc32c differs from what was written (checksums on)
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    NO_MEMORY = "no_memory"                      # the daemon's memory (its cgroup's limit) cannot hold the staging
 
 
 # -- exceptions (raised by the client) ------------------------------------------
@@ -128,6 +129,8 @@ ERRORS: tuple[tuple[str, str, tuple[ErrorCode, ...], str], ...] = (
     ("IntegrityError", "", (ErrorCode.INTEGRITY_ERROR,),
      "A read returned data whose crc32c differs from what was written (session checksums on)."),
     ("ShuttingDownError", "", (ErrorCode.SHUTTING_DOWN,), "The daemon is draining."),
+    ("NoMemoryError", "", (ErrorCode.NO_MEMORY,),
+     "The daemon's memory (its memory cgroup's limit) cannot hold the session's staging."),
 )
 
 
@@ -161,6 +164,7 @@ BusyError = _CLASSES["BusyError"]
 RemoteIOError = _CLASSES["RemoteIOError"]
 IntegrityError = _CLASSES["IntegrityError"]
 ShuttingDownError = _CLASSES["ShuttingDownError"]
+NoMemoryError = _CLASSES["NoMemoryError"]
 
 
 class DaemonLostError(BladedError, ConnectionError):

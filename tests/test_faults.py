@@ -30,7 +30,7 @@ import psutil
 import pytest
 from daemon_util import ROOT, ClientProcess, DaemonProcess, env_with_repo, short_tmpdir, wait_connections
 
-from bladed.client import Client, DaemonLostError, NoSpaceError, QuotaExceededError, RemoteIOError
+from bladed.client import Client, DaemonLostError, NoMemoryError, NoSpaceError, QuotaExceededError, RemoteIOError
 
 KILLS = int(os.environ.get("BLADED_FAULT_KILLS", "1000"))
 #: 4096-byte tokens (aligned) and 768-byte tokens (padded rows on the extent)
@@ -482,6 +482,35 @@ def test_memory_pressure_shrinks_the_budget_without_an_oom_kill(tmp: str) -> Non
                 s2.close()
                 assert oom_kills(cg.path) == 0
             assert d.proc is not None and d.proc.poll() is None, "the daemon was killed under memory pressure"
+            assert d.stop() == 0
+
+
+@pytest.mark.root
+def test_a_session_whose_staging_cannot_fit_the_memory_limit_is_refused_not_oom_killed(tmp: str) -> None:
+    """The limit cut to 2 MiB above what the daemon holds: a session whose staging (2 x 1 MiB slots, touched by
+    the daemon as it serves) would overfill the cgroup is refused with no_memory, naming the fix; one that fits
+    is served; nothing is OOM-killed (found by tests/test_stateful_daemon.py: the daemon was)."""
+    from cgroup_util import ChildCgroup
+
+    geo = dict(GEOMETRIES[0], max_tokens=256)           # 1 MiB KPUs: a slot of 1 MiB per channel
+    with ChildCgroup(512 << 20) as cg:
+        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path}, "device": {"size": "64M"}}
+        with DaemonProcess(tmp, cfg).start() as d:
+            cg.add(d.pid)
+            with Client(d.socket_path) as c:
+                sample = c.budget()["sample"]
+                cg.set_limit(sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (2 << 20))
+                with pytest.raises(NoMemoryError, match=r"staging \(4 x 1048576 bytes\) does not fit in the daemon's "
+                                                        r"memory: .* raise the daemon's memory limit"):
+                    c.open_session(geo, channels=4)
+                with c.open_session(geo, channels=1) as s:      # 1 MiB of staging fits
+                    s.slot(0)[:] = b"\x5a" * (1 << 20)
+                    s.write(0, "k", 0)
+                    s.slot(0)[:] = bytes(1 << 20)
+                    s.read(0, "k", 0)
+                    assert bytes(s.slot(0)) == b"\x5a" * (1 << 20)
+                assert c.stats()["sessions"] == 0
+                assert oom_kills(cg.path) == 0
             assert d.stop() == 0
 
 

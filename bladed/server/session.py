@@ -31,7 +31,7 @@ from typing import Any
 from bladed.config import Config
 from bladed.io import Engine, ExtentDevice, StagingBuffer
 from bladed.protocol import MIRROR, NO_HIT, ErrorCode, IOOp, IORange, RangeResult, RequestError, ServedRow, get_field
-from bladed.residency.budget import Budgeter
+from bladed.residency.budget import BudgetBreakdown, Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.geometry import GEOMETRY_FIELDS, Geometry, tensor_id, tensor_of
 from bladed.residency.planner import BudgetLedger, Mode, Plan, plan_session
@@ -408,6 +408,8 @@ class SessionManager:
             except (OSError, ValueError) as e:
                 log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
                 b_pc, budget = 0, {"error": str(e), "pagecache_budget_bytes": 0}
+            else:
+                _check_staging_fits(breakdown, channels, stride)
             # live sessions come first: retained prefixes leave the page cache for this one's whole KV set
             free = self.ledger.available(b_pc)
             self.prefixes.make_room_pagecache(free - min(free, geometry.kv_bytes))
@@ -679,6 +681,20 @@ class SessionManager:
     def close_all(self, reason: str) -> None:
         for s in self.live_sessions():
             self.close(s, reason)
+
+
+def _check_staging_fits(b: BudgetBreakdown, channels: int, stride: int) -> None:
+    """Refuse a session whose staging does not fit the daemon's memory (Eq. 1's ``M*``, with the staging of
+    the open sessions not charged yet): the daemon touches that memory when it serves the session, and a
+    memory cgroup answers with the OOM killer, which would end every session, not with an error."""
+    if b.usable_bytes >= b.pinned_uncharged_bytes:
+        return
+    raise RequestError(ErrorCode.NO_MEMORY,
+                       f"the session's staging ({channels} x {stride} bytes) does not fit in the daemon's memory: "
+                       f"{max(0, b.usable_bytes)} bytes usable (M*: limit {b.memory_limit_bytes} of "
+                       f"{b.memory_limit_source} less {b.anon_shmem_bytes} anon+shmem), "
+                       f"{b.pinned_uncharged_bytes} needed with the open sessions' staging; open it with fewer "
+                       f"channels or a smaller slot, or raise the daemon's memory limit (MemoryMax=)")
 
 
 def _prepare_memfd(fd: int, need: int) -> None:
