@@ -487,9 +487,10 @@ def test_memory_pressure_shrinks_the_budget_without_an_oom_kill(tmp: str) -> Non
 
 @pytest.mark.root
 def test_a_session_whose_staging_cannot_fit_the_memory_limit_is_refused_not_oom_killed(tmp: str) -> None:
-    """The limit cut to 2 MiB above what the daemon holds: a session whose staging (2 x 1 MiB slots, touched by
-    the daemon as it serves) would overfill the cgroup is refused with no_memory, naming the fix; one that fits
-    is served; nothing is OOM-killed (found by tests/test_stateful_daemon.py: the daemon was)."""
+    """The limit cut to 10 MiB above what the daemon holds: a session whose staging (4 x 1 MiB slots, touched by
+    the daemon as it serves) and working reserve (9 MiB) would overfill the cgroup is refused with no_memory,
+    naming the fix; one with 1 MiB of staging (and 7 MiB of reserve) is served; nothing is OOM-killed (found by
+    tests/test_stateful_daemon.py: the daemon was)."""
     from cgroup_util import ChildCgroup
 
     geo = dict(GEOMETRIES[0], max_tokens=256)           # 1 MiB KPUs: a slot of 1 MiB per channel
@@ -499,7 +500,7 @@ def test_a_session_whose_staging_cannot_fit_the_memory_limit_is_refused_not_oom_
             cg.add(d.pid)
             with Client(d.socket_path) as c:
                 sample = c.budget()["sample"]
-                cg.set_limit(sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (2 << 20))
+                cg.set_limit(sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (10 << 20))
                 with pytest.raises(NoMemoryError, match=r"staging \(4 x 1048576 bytes\) does not fit in the daemon's "
                                                         r"memory: .* raise the daemon's memory limit"):
                     c.open_session(geo, channels=4)

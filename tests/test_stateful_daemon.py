@@ -218,13 +218,14 @@ class DaemonMachine(RuleBasedStateMachine):
     @precondition(lambda self: "override" not in self.d.config["budget"])   # an override replaces B_pc
     @rule(cut=st.booleans())
     def memory_pressure(self, cut: bool) -> None:
-        """Cut the daemon's memory limit to a few MiB above what it must keep, or give it back; waits for the
-        budget change to be applied to the live sessions and their demotions to be done."""
+        """Cut the daemon's memory limit to 16 MiB above what it must keep (less than the KV of the larger
+        sessions; a session's staging and the daemon's working reserve still fit), or give it back; waits for
+        the budget change to be applied to the live sessions and their demotions to be done."""
         if cut == (self.cg_limit < CGROUP_LIMIT):
             return                    # no change: the budget would not move
         if cut:
             sample = self.c.budget()["sample"]
-            limit = sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (4 << 20)
+            limit = sample["anon_shmem_bytes"] + sample["pinned_bytes"] + (16 << 20)
         else:
             limit = CGROUP_LIMIT
         os.sync()                     # written-back pages are what the kernel reclaims to fit the new limit

@@ -44,9 +44,13 @@ from bladed.server.prefix import PrefixCache
 from bladed.server.replan import LiveReplanner, LiveState
 from bladed.server.state import QUARANTINED, Journal, SessionRecord
 from bladed.server.stores import Access, ChannelIO, ExtentKPUStore, PageCacheKPUStore
+from bladed.server.stores.extent import BOUNCE_BYTES
 from bladed.sizes import PAGE_SIZE, align_up
 
 log = logging.getLogger("bladed.session")
+
+#: room for the daemon's own heap growth while it serves sessions (``working_reserve_bytes``)
+HEAP_RESERVE_BYTES = 4 << 20
 
 #: the open_session reply lists every KPU (2 per layer, at most 164 bytes each): 2048 layers keep the worst-case
 #: reply at about 698 KB, 67% of MAX_FRAME_BYTES (docs/protocol.md, "Limits")
@@ -683,18 +687,27 @@ class SessionManager:
             self.close(s, reason)
 
 
+def working_reserve_bytes(channels: int) -> int:
+    """Memory the daemon may need beside a new session's staging while it serves it, none of which the
+    kernel can reclaim: a bounce buffer per channel, a demotion's and an extent move's copy buffers, and
+    room for its own heap (:func:`_check_staging_fits`)."""
+    return (channels + 2) * BOUNCE_BYTES + HEAP_RESERVE_BYTES
+
+
 def _check_staging_fits(b: BudgetBreakdown, channels: int, stride: int) -> None:
     """Refuse a session whose staging does not fit the daemon's memory (Eq. 1's ``M*``, with the staging of
-    the open sessions not charged yet): the daemon touches that memory when it serves the session, and a
-    memory cgroup answers with the OOM killer, which would end every session, not with an error."""
-    if b.usable_bytes >= b.pinned_uncharged_bytes:
+    the open sessions not charged yet, and :func:`working_reserve_bytes` beside it): the daemon touches that
+    memory when it serves the session, and a memory cgroup answers with the OOM killer, which would end
+    every session, not with an error."""
+    need = b.pinned_uncharged_bytes + working_reserve_bytes(channels)
+    if b.usable_bytes >= need:
         return
     raise RequestError(ErrorCode.NO_MEMORY,
                        f"the session's staging ({channels} x {stride} bytes) does not fit in the daemon's memory: "
                        f"{max(0, b.usable_bytes)} bytes usable (M*: limit {b.memory_limit_bytes} of "
-                       f"{b.memory_limit_source} less {b.anon_shmem_bytes} anon+shmem), "
-                       f"{b.pinned_uncharged_bytes} needed with the open sessions' staging; open it with fewer "
-                       f"channels or a smaller slot, or raise the daemon's memory limit (MemoryMax=)")
+                       f"{b.memory_limit_source} less {b.anon_shmem_bytes} anon+shmem), {need} needed with the "
+                       f"open sessions' staging and the daemon's working reserve; open it with fewer channels or "
+                       f"a smaller slot, or raise the daemon's memory limit (MemoryMax=)")
 
 
 def _prepare_memfd(fd: int, need: int) -> None:
