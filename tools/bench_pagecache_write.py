@@ -16,12 +16,14 @@ quiet, a fresh memory cgroup with ``--limit``.  Then:
 
 Files go to ``--dir``.  The timed part is
 the writes only.  With ``--perf DIR`` the writer (the daemon, or the worker) is sampled by ``perf record -e
-cpu-clock -g`` during its writes and the report's top symbols are kept; ``--vmstat`` adds the /proc/vmstat
-and memory.stat deltas of each run.  One JSON record per run; the summary compares medians, paired by
-repetition.  Root only.
+cpu-clock -g`` during its writes and the report's top symbols are kept; ``--trace`` times the writer's
+kernel functions with bpftrace (:data:`TRACED`: page-cache folio allocation, memcg charge and reclaim, the
+dirty throttle, zeroing, faults, I/O waits).  Every run records its /proc/vmstat and memory.stat figures.
+One JSON record per run; the summary compares medians, paired by repetition.  Root only.
 
     tools/bench_pagecache_write.py [--total 2G] [--kpu 32M] [--reps 5] [--limit 3G] [--dir /var/tmp]
-                                   [--configs daemon,pwrite,pwrite_sparse,mmap] [--perf DIR] [--out FILE]
+                                   [--configs daemon,pwrite,pwrite_sparse,mmap] [--perf DIR] [--trace]
+                                   [--out FILE]
 """
 
 from __future__ import annotations
@@ -134,9 +136,68 @@ def perf_top(path: str, limit: float = 1.0) -> list[dict[str, Any]]:
     return rows
 
 
+# -- bpftrace: where the writer's time goes, per kernel function ---------------------------------------------
+
+#: kernel functions timed for the writer process (entry to return; nested ones overlap: each is "time inside")
+TRACED = ("generic_perform_write", "ext4_da_write_begin", "ext4_write_begin", "ext4_da_write_end",
+          "__filemap_get_folio", "filemap_add_folio", "charge_memcg", "try_to_free_mem_cgroup_pages",
+          "balance_dirty_pages", "clear_page_erms", "clear_page_rep", "handle_mm_fault", "do_page_mkwrite",
+          "shmem_fault", "io_schedule", "ext4_map_blocks", "folio_alloc_noprof")
+
+
+def bpftrace_program(pid: int) -> str:
+    """Per traced function: calls and nanoseconds inside, for threads of ``pid``; bytes written by
+    ``generic_perform_write``; the dirty throttle's pauses (writeback:balance_dirty_pages)."""
+    known = set()
+    with open("/proc/kallsyms") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] in TRACED:
+                known.add(parts[2])
+    probes = []
+    for fn in TRACED:
+        if fn not in known:
+            continue
+        probes.append(f"kprobe:{fn} /pid == {pid}/ {{ @start_{fn}[tid] = nsecs; }}\n"
+                      f"kretprobe:{fn} /@start_{fn}[tid]/ {{ @ns[\"{fn}\"] = sum(nsecs - @start_{fn}[tid]); "
+                      f"@calls[\"{fn}\"] = count(); delete(@start_{fn}[tid]); }}")
+    probes.append(f"kretprobe:generic_perform_write /pid == {pid} && (int64)retval > 0/ "
+                  f"{{ @bytes = sum((int64)retval); }}")
+    probes.append(f"tracepoint:writeback:balance_dirty_pages /pid == {pid}/ "
+                  f"{{ @bdp_pause_ms = sum(args->pause); @bdp_events = count(); }}")
+    probes.append("END { " + " ".join(f"clear(@start_{fn});" for fn in TRACED if fn in known) + " }")
+    return "\n".join(probes)
+
+
+@contextlib.contextmanager
+def bpftrace(pid: int, out: dict[str, Any] | None) -> Iterator[None]:
+    """Run :func:`bpftrace_program` for the block; its maps land in ``out`` (nothing without it or bpftrace)."""
+    if out is None or shutil.which("bpftrace") is None:
+        yield
+        return
+    proc = subprocess.Popen(["bpftrace", "-f", "json", "-e", bpftrace_program(pid)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    attached = proc.stdout.readline()      # {"type": "attached_probes", ...} once every probe is in place
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGINT)
+        text, err = proc.communicate(timeout=120)
+        out["attached"] = attached.strip()
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if rec.get("type") == "map":
+                    out.update(rec["data"])
+        if proc.returncode not in (0, -signal.SIGINT) and not out:
+            out["error"] = err.strip()[-500:]
+
+
 # -- one run -----------------------------------------------------------------------------------------------
 
-def run_daemon(cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | None) -> dict[str, Any]:
+def run_daemon(cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | None,
+               trace: dict[str, Any] | None) -> dict[str, Any]:
     from bladed.client import Client
     from bladed_bench.workload import BenchDaemon
 
@@ -150,7 +211,7 @@ def run_daemon(cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | 
             s = c.open_session(geometry, channels=1)
             assert {k["path"] for k in s.plan["kpus"]} == {"pagecache"}, s.plan
             ctypes.memset((ctypes.c_char * kpu).from_buffer(s.slot(0)), 0x5A, kpu)
-            with perf_record(d.pid, perf_path):
+            with perf_record(d.pid, perf_path), bpftrace(d.pid, trace):
                 t0 = time.perf_counter()
                 for layer in range(geometry["layers"]):
                     for kind in "kv":
@@ -163,7 +224,8 @@ def run_daemon(cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | 
         d.stop()
 
 
-def run_worker(how: str, cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | None) -> dict[str, Any]:
+def run_worker(how: str, cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | None,
+               trace: dict[str, Any] | None) -> dict[str, Any]:
     directory = os.path.join(work, how)
     os.makedirs(directory, exist_ok=True)
     argv = cg.launcher([sys.executable, os.path.abspath(__file__), "--worker", how, directory, str(kpu),
@@ -171,7 +233,7 @@ def run_worker(how: str, cg: MemCgroup, work: str, total: int, kpu: int, perf_pa
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as p:
         assert p.stdin is not None and p.stdout is not None
         pid = json.loads(p.stdout.readline())["ready"]
-        with perf_record(pid, perf_path):
+        with perf_record(pid, perf_path), bpftrace(pid, trace):
             p.stdin.write("go\n")
             p.stdin.flush()
             line = p.stdout.readline()
@@ -192,10 +254,13 @@ def one_run(config: str, rep: int, a: argparse.Namespace, sysdir: str | None) ->
     try:
         with MemCgroup(a.limit) as cg:
             v0 = vmstat()
+            trace: dict[str, Any] | None = {} if a.trace else None
             if config == "daemon":
-                rec.update(run_daemon(cg, work, a.total, a.kpu, perf_path))
+                rec.update(run_daemon(cg, work, a.total, a.kpu, perf_path, trace))
             else:
-                rec.update(run_worker(config, cg, work, a.total, a.kpu, perf_path))
+                rec.update(run_worker(config, cg, work, a.total, a.kpu, perf_path, trace))
+            if trace is not None:
+                rec["trace"] = trace
             rec["vmstat"] = delta(v0, vmstat())
             rec["memory_stat_end"] = {k: v for k, v in cg.stat().items() if k in MEMSTAT_KEYS}
             rec["cgroup"] = cg.describe()
@@ -235,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--perf", default=None, help="keep perf.data files here and the top symbols in the JSON")
+    p.add_argument("--trace", action="store_true", help="bpftrace the writer's kernel time per function")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", nargs=4, metavar=("HOW", "DIR", "KPU", "COUNT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
