@@ -725,10 +725,14 @@ int bd_cachestat(int fd, uint64_t off, uint64_t len, uint64_t *out5)
 
 int64_t bd_pwrite_full(int fd, uint64_t addr, uint64_t len, uint64_t off)
 {
-    /* the page-cache path's write: one call per range, short writes resumed here, not in Python */
+    /* the page-cache path's write: one call per range, short writes resumed here, not in Python; pieces of at
+     * most BD_PAGECACHE_WRITE_CHUNK, each ending on a multiple of it, so new folios stay small (why: the enum) */
     uint64_t done = 0;
     while (done < len) {
-        ssize_t n = pwrite(fd, (const char *)(uintptr_t)addr + done, len - done, (off_t)(off + done));
+        uint64_t piece = BD_PAGECACHE_WRITE_CHUNK - (off + done) % BD_PAGECACHE_WRITE_CHUNK;
+        if (piece > len - done)
+            piece = len - done;
+        ssize_t n = pwrite(fd, (const char *)(uintptr_t)addr + done, piece, (off_t)(off + done));
         if (n < 0) {
             if (errno == EINTR)
                 continue;

@@ -58,7 +58,12 @@ enum {
     BD_LBA_SHIFT_MIN = 9,     /* 512-byte LBAs */
     BD_LBA_SHIFT_MAX = 16,    /* 64 KiB LBAs */
     BD_NVME_MAX_NLB = 65536,  /* NVMe CDW12 NLB: 16 bits, 0-based (Read, Write, Write Zeroes) */
-    BD_RW_MAX_BYTES = 0x7ffff000   /* Linux MAX_RW_COUNT: most bytes one read/write moves */
+    BD_RW_MAX_BYTES = 0x7ffff000,  /* Linux MAX_RW_COUNT: most bytes one read/write moves */
+    /* the page-cache path writes at most this much per pwrite: the kernel sizes a new page-cache folio by the
+     * bytes left in the call (2 MiB for a KPU written whole, 64 KiB here), and in a VM whose free memory is
+     * reported to the host, first touching fresh large folios costs 1.4x what small ones do
+     * (docs/benchmarks.md, "The page-cache path at the page cache's speed") */
+    BD_PAGECACHE_WRITE_CHUNK = 65536
 };
 
 enum bd_discard_mode {
@@ -169,7 +174,8 @@ int bd_blkdiscard(int fd, uint64_t off, uint64_t len);
 int bd_fallocate(int fd, int mode, uint64_t off, uint64_t len);
 int bd_cachestat(int fd, uint64_t off, uint64_t len, uint64_t *out5);
 int bd_sync_file_range(int fd, uint64_t off, uint64_t len, unsigned flags);
-int64_t bd_pwrite_full(int fd, uint64_t addr, uint64_t len, uint64_t off);  /* bytes, or -errno */
+/* bytes, or -errno: len from addr at file offset off, BD_PAGECACHE_WRITE_CHUNK bytes per pwrite */
+int64_t bd_pwrite_full(int fd, uint64_t addr, uint64_t len, uint64_t off);
 
 /* Staging memory: page aligned, 2 MiB aligned and huge-page backed where the
  * size allows.  *how: 2 = hugetlbfs, 1 = THP advised, 0 = plain pages. */

@@ -10,6 +10,7 @@ an O_DIRECT extent through the real engine.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -69,21 +70,51 @@ def test_offsets_inside_a_file_and_into_a_buffer(store: PageCacheStore) -> None:
         f.read_into(out, 0, len(out) + 1)
 
 
-def test_copy_is_one_memmove_not_a_python_loop(store: PageCacheStore) -> None:
-    # a resident 32 MiB read must run at memory speed (a per-page Python loop manages ~1 GB/s at best)
+def test_copy_is_one_memmove_not_a_python_loop(store: PageCacheStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a read is one memmove out of the mapping, whatever its size (no per-page Python loop)
     f = store.open("big", 32 * MiB)
-    f.write_from(_pattern(32 * MiB, 2), 0, 32 * MiB)
+    data = _pattern(32 * MiB, 2)
+    f.write_from(data, 0, 32 * MiB)
     dst = StagingBuffer(32 * MiB)
-    f.read_into(dst, 0, 32 * MiB)                    # fault the destination in once
-    best = min(_timed(lambda: f.read_into(dst, 0, 32 * MiB), time.perf_counter) for _ in range(5))
+    calls: list[int] = []
+    real = ctypes.memmove
+
+    def counted(d: Any, s: Any, n: int) -> Any:
+        calls.append(n)
+        return real(d, s, n)
+
+    monkeypatch.setattr(ctypes, "memmove", counted)
+    f.read_into(dst, 0, 32 * MiB)
+    monkeypatch.undo()
+    assert calls == [32 * MiB]
+    assert np.array_equal(np.frombuffer(dst.view(0, 32 * MiB), np.uint8), data)
     dst.close()
-    assert 32 * MiB / best > 1.5e9, f"resident copy ran at {32 * MiB / best / 1e9:.2f} GB/s"
 
 
-def _timed(fn: Any, clock: Any) -> float:
-    t = clock()
-    fn()
-    return float(clock() - t)
+def _write_syscalls() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscw:"))
+
+
+def test_writes_go_to_the_page_cache_in_64_kib_pieces(store: PageCacheStore) -> None:
+    """A KPU written whole is many pwrites of at most BD_PAGECACHE_WRITE_CHUNK, each ending on a multiple of it,
+    so the kernel makes small page-cache folios (docs/benchmarks.md: in a VM whose free memory goes back to the
+    host, fresh 2 MiB folios cost 1.4x to first touch); the bytes are the same."""
+    from bladed._uring import lib
+
+    chunk = lib.BD_PAGECACHE_WRITE_CHUNK
+    assert chunk == 64 << 10
+    f = store.open("chunked", 4 * MiB)
+    data = _pattern(4 * MiB, 7)
+    before = _write_syscalls()
+    f.write_from(data, 0, 4 * MiB)
+    assert _write_syscalls() - before == 4 * MiB // chunk
+    before = _write_syscalls()
+    f.write_from(data[100:chunk + 200], 100, chunk + 100)      # [100, 64 KiB + 200): to the boundary, then past it
+    assert _write_syscalls() - before == 2
+    out = bytearray(4 * MiB)
+    f.read_into(out, 0, 4 * MiB)
+    assert bytes(out) == data.tobytes()
 
 
 def test_hit_ratio_is_measured_on_the_exact_range_before_the_copy(store: PageCacheStore) -> None:

