@@ -222,6 +222,24 @@ def test_close_waits_for_copies_in_other_threads(store: PageCacheStore) -> None:
         f.write_from(b"x", 0, 1)
 
 
+def _io(field: str) -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def test_closing_a_written_file_drops_its_kv_without_writing_it_to_disk(store: PageCacheStore) -> None:
+    """The KV of a closed session (or of a KPU moved to the extent) goes with its file: the kernel cancels its
+    dirty pages (``cancelled_write_bytes``: fadvise(DONTNEED), used before, wrote them all back first)."""
+    f = store.open("gone", 64 * MiB)
+    f.write_from(_pattern(64 * MiB, 5), 0, 64 * MiB)
+    cs = cachestat(f.fd, 0, 64 * MiB)
+    assert cs is None or cs.dirty > 0                 # dirty KV in the page cache, as right after a prefill
+    cancelled = _io("cancelled_write_bytes")
+    f.close()
+    assert not os.path.exists(f.path)
+    assert _io("cancelled_write_bytes") - cancelled >= 56 * MiB
+
+
 def test_store_lock_cleanup_and_close(store_dir: str) -> None:
     d = os.path.join(store_dir, "pc2")
     s = PageCacheStore(d)

@@ -201,8 +201,10 @@ def run_daemon(cg: MemCgroup, work: str, total: int, kpu: int, perf_path: str | 
                         r = s.write(layer, kind, 0)
                         assert r.path == "pagecache"
                 seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
             s.close()
-        return {"seconds": seconds, "writer_pid": d.pid}
+            close_s = time.perf_counter() - t1
+        return {"seconds": seconds, "writer_pid": d.pid, "close_s": close_s}
     finally:
         d.stop()
 

@@ -376,7 +376,7 @@ class LiveReplanner:
                 filled = live.filled_to(tid) * sess.geometry.token_bytes
                 nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel,
                                             lambda need: self.manager.room(sess, need, channel))
-                # drops its clean pages; dirty ones go with the inode, never written back
+                # its bytes are on the extent now: the file is truncated (pages dropped unwritten) and removed
                 pagecache.detach(tid).close(unlink=True)
             else:
                 # CachePolicy-Only (Table III): the KPU stays on the page-cache path, dropped after use
