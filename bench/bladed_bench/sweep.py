@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bladed.residency.damon import pageout_schemes
 from bladed.sizes import PAGE_SIZE, align_up
 from bladed_bench import environment, probes
 from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
@@ -159,6 +160,7 @@ def machine_info(workdir: str) -> dict[str, Any]:
         "fio": probes.fio_version(), "disk": environment.disk_info(block_device_of(workdir)),
         "filesystem": environment.filesystem_of(workdir), "git_commit": git["commit"], "git_dirty": git["dirty"],
         "free_page_reporting": reported_kib() is not None,
+        "damon_pageout": [s.describe() for s in pageout_schemes()],
     }
 
 

@@ -47,7 +47,7 @@ def run_checks(path: str, backend: str, *, size_bytes: int = 0, region_start: in
         out.append(_passthrough_fixed_buffers(kernel))
     if backend == "block":
         out.append(_discard_command(kernel))
-    out += [_io_uring_enabled(), _memlock(), _cachestat()]
+    out += [_io_uring_enabled(), _memlock(), _cachestat(), _host_pageout()]
     if backend == "file" and not os.path.exists(path):
         return out + _new_store_file(path, size_bytes)
     return out + _existing_store(path, backend, region_start, region_blocks)
@@ -109,6 +109,15 @@ def _cachestat() -> Check:
     return Check("cachestat", "ok" if has_cachestat else "warn",
                  "page-cache hit ratios via cachestat(2)" if has_cachestat else
                  "cachestat(2) missing (kernel < 6.5): hit ratios fall back to mincore(2)")
+
+
+def _host_pageout() -> Check:
+    from bladed.residency.damon import pageout_schemes
+    schemes = pageout_schemes()
+    return Check("host page-out", "warn" if schemes else "ok",
+                 "; ".join(s.describe() for s in schemes)
+                 + ": page-cache KV idle that long is read back from the store, whatever the budget"
+                 if schemes else "no DAMON pageout scheme: page-cache KV stays until the budget evicts it")
 
 
 # -- a store file to create -------------------------------------------------------------------
