@@ -23,7 +23,13 @@ def kdamond(root: Path, n: int, *, state: str = "on", operations: str = "paddr",
         files |= {f"contexts/0/schemes/{i}/action": action,
                   f"contexts/0/schemes/{i}/access_pattern/age/min": "12",
                   f"contexts/0/schemes/{i}/quotas/bytes": str(128 << 20),
-                  f"contexts/0/schemes/{i}/quotas/reset_interval_ms": "1000"}
+                  f"contexts/0/schemes/{i}/quotas/reset_interval_ms": "1000",
+                  f"contexts/0/schemes/{i}/ops_filters/0/type": "anon",
+                  f"contexts/0/schemes/{i}/ops_filters/0/matching": "Y",
+                  f"contexts/0/schemes/{i}/ops_filters/0/allow": "N",
+                  f"contexts/0/schemes/{i}/ops_filters/1/type": "unmapped",
+                  f"contexts/0/schemes/{i}/ops_filters/1/matching": "Y",
+                  f"contexts/0/schemes/{i}/ops_filters/1/allow": "Y"}
     for rel, text in files.items():
         path = root / "kdamonds" / str(n) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +43,9 @@ def test_a_running_physical_pageout_scheme_is_found_with_its_idle_age_range_and_
     assert scheme.min_idle_s == 60.0
     assert scheme.ranges == ((4 << 30, 9797894144),)
     assert scheme.quota_bytes_per_s == 128 << 20
-    assert scheme.describe() == "kdamond 0 pages out memory idle for 60 s (4.0-9.1 GiB, at most 128 MiB/s)"
+    assert scheme.filters == ("reject anon", "allow unmapped")
+    assert scheme.describe() == ("kdamond 0 pages out memory idle for 60 s (4.0-9.1 GiB, at most 128 MiB/s; "
+                                 "reject anon, allow unmapped)")
 
 
 def test_stopped_kdamonds_process_schemes_and_other_actions_do_not_count(tmp_path: Path) -> None:

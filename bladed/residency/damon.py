@@ -3,11 +3,12 @@
 Eq. 1-2 size the page-cache budget from the memory cgroup and the host's free memory.  A kernel
 can also run DAMON (``/sys/kernel/mm/damon/admin``) with a ``pageout`` scheme on physical memory:
 every page in its range that has gone unaccessed for the scheme's minimum age is reclaimed, however
-far below its limit the cgroup is.  Some VM hosts set one up at boot to hand idle guest memory back
-(the 2026-11-26 build VM: pages idle for 60 s, 4-9.1 GiB of physical memory, up to 128 MiB/s).  There,
-page-cache KV of a session that stays idle longer than that is read back from the disk on its next
-step.  bladed cannot change the host's policy; it reports it (``bladectl ns check``, benchmarks'
-machine record) so that a hit ratio below what the budget promises has a named cause.
+far below its limit the cgroup is.  Some VM hosts set one up at boot to hand idle guest memory
+back: the 2026-11-26 build VM's pages out unmapped page cache idle for 60 s, so an idle session's
+page-cache KV (bladed's page-cache path uses ``pread``/``pwrite``: unmapped) went at 15-17 MB/s
+while ``mmap``ed KV stayed (docs/benchmarks.md).  bladed cannot change the host's policy; it
+reports it (``bladectl ns check``, the benchmarks' machine record) so that a hit ratio below what
+the budget promises has a named cause.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ class PageoutScheme:
     ranges: tuple[tuple[int, int], ...]  # physical address ranges it watches, [start, end)
     min_idle_s: float                     # access_pattern/age/min x the aggregation interval
     quota_bytes_per_s: float | None      # quotas/bytes per reset interval; None: no size quota
+    filters: tuple[str, ...] = ()         # "allow unmapped", "reject anon", ... in the order they apply
 
     def describe(self) -> str:
         span = ", ".join(f"{s / 2**30:.1f}-{e / 2**30:.1f} GiB" for s, e in self.ranges) or "all memory"
         quota = f", at most {self.quota_bytes_per_s / 2**20:.0f} MiB/s" if self.quota_bytes_per_s else ""
-        return f"kdamond {self.kdamond} pages out memory idle for {self.min_idle_s:g} s ({span}{quota})"
+        filters = f"; {', '.join(self.filters)}" if self.filters else ""
+        return f"kdamond {self.kdamond} pages out memory idle for {self.min_idle_s:g} s ({span}{quota}{filters})"
 
 
 def _read(path: str) -> str | None:
@@ -52,6 +55,22 @@ def _entries(directory: str) -> list[str]:
         return sorted((e for e in os.listdir(directory) if e.isdigit()), key=int)
     except OSError:
         return []
+
+
+def _filters(scheme: str) -> tuple[str, ...]:
+    """The scheme's DAMOS filters (``core_filters``, ``ops_filters``, and the older ``filters``) as words."""
+    out = []
+    for group in ("core_filters", "ops_filters", "filters"):
+        for f in _entries(os.path.join(scheme, group)):
+            path = os.path.join(scheme, group, f)
+            kind = _read(os.path.join(path, "type")) or "?"
+            if kind == "memcg":
+                kind = f"memcg {_read(os.path.join(path, 'memcg_path')) or '?'}"
+            negate = "" if _read(os.path.join(path, "matching")) != "N" else "not "
+            # 6.14+ name the verdict "allow"; before it, every filter rejected what it matched
+            verdict = "allow" if _read(os.path.join(path, "allow")) == "Y" else "reject"
+            out.append(f"{verdict} {negate}{kind}")
+    return tuple(out)
 
 
 def pageout_schemes(root: str = DAMON_ADMIN) -> list[PageoutScheme]:
@@ -84,5 +103,6 @@ def pageout_schemes(root: str = DAMON_ADMIN) -> list[PageoutScheme]:
                 reset_ms = _int(os.path.join(scheme, "quotas", "reset_interval_ms")) or 0
                 found.append(PageoutScheme(
                     kdamond=int(k), ranges=tuple(ranges), min_idle_s=age * aggr_us / 1e6,
-                    quota_bytes_per_s=quota * 1000 / reset_ms if quota and reset_ms else None))
+                    quota_bytes_per_s=quota * 1000 / reset_ms if quota and reset_ms else None,
+                    filters=_filters(scheme)))
     return found
