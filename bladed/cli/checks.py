@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from bladed.cli.storage import partition_offset
 from bladed.config import Config, format_size, region_of
 from bladed.config import validate_device as config_device_problems
+from bladed.residency.damon import pageout_schemes
 
 if TYPE_CHECKING:
     from bladed.io import ExtentDevice
@@ -112,7 +113,6 @@ def _cachestat() -> Check:
 
 
 def _host_pageout() -> Check:
-    from bladed.residency.damon import pageout_schemes
     schemes = pageout_schemes()
     return Check("host page-out", "warn" if schemes else "ok",
                  "; ".join(s.describe() for s in schemes)
