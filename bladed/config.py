@@ -101,6 +101,10 @@ class BudgetConfig:
 
 @dataclass
 class IOConfig:
+    #: "auto" (io_uring where this process may use it and, for nvme, where the kernel has io_uring_cmd; else
+    #: the portable engine), "uring" or "portable" (threads doing preadv2/pwritev2 and passthrough ioctls);
+    #: checked where the device opens (bladed.io.engines.choose), which probes the kernel for it
+    engine: str = "auto"
     queue_depth: int = 32
     #: most worker channels (copy threads) one session may open
     max_channels: int = 8

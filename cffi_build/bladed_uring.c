@@ -12,12 +12,14 @@
 #include <linux/falloc.h>
 #include <linux/nvme_ioctl.h>
 #include <liburing.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -51,13 +53,32 @@ struct bd_slot {                            /* one in-flight command */
     struct bd_xfer *x;
     uint64_t slba;
     uint64_t len;                           /* payload bytes expected */
+    uint64_t off;                           /* Eq. 11: byte offset into x->buf */
     uint32_t nlb;                           /* 0-based blocks (Eq. 10) */
     struct bd_dsm_range dsm;
     int next_free;
+    int next_job;                           /* portable engine: work or done list link */
+    int res;                                /* portable engine: what a CQE's res would say */
+};
+
+/* The portable engine: the same slots, run by a small pool of threads with
+ * positional syscalls and ioctls instead of SQEs (no io_uring: seccomp,
+ * io_uring_disabled, gVisor, kernels without io_uring_cmd). */
+struct bd_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, done_cv;
+    int work_head, work_tail;               /* slots to run, FIFO */
+    int done_head, done_tail;               /* slots run, FIFO */
+    unsigned nthreads, idle, max_threads;
+    int stopping;
+    int no_io64;                            /* NVME_IOCTL_IO64_CMD refused: use NVME_IOCTL_IO_CMD */
+    pthread_t threads[BD_PORTABLE_MAX_THREADS];
 };
 
 struct bd_ring {
-    struct io_uring ring;
+    struct io_uring ring;                   /* BD_ENGINE_URING */
+    struct bd_pool *pool;                   /* BD_ENGINE_PORTABLE */
+    int engine;
     unsigned depth;
     int big_sqe;
     struct bd_slot *slots;
@@ -82,14 +103,49 @@ uint64_t bd_monotonic_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int *err)
+static void *pool_worker(void *arg);
+
+static void pool_free(struct bd_pool *p)
+{
+    unsigned i;
+
+    if (!p)
+        return;
+    pthread_mutex_lock(&p->mu);
+    p->stopping = 1;
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->mu);
+    for (i = 0; i < p->nthreads; i++)
+        pthread_join(p->threads[i], NULL);
+    pthread_cond_destroy(&p->work_cv);
+    pthread_cond_destroy(&p->done_cv);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+static struct bd_pool *pool_new(unsigned queue_depth)
+{
+    struct bd_pool *p = calloc(1, sizeof(*p));
+
+    if (!p)
+        return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work_cv, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
+    p->work_head = p->work_tail = p->done_head = p->done_tail = -1;
+    /* threads start when work finds none idle, up to one per queue slot */
+    p->max_threads = queue_depth < BD_PORTABLE_MAX_THREADS ? queue_depth : BD_PORTABLE_MAX_THREADS;
+    return p;
+}
+
+struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int engine, int *err)
 {
     struct bd_ring *r;
     struct io_uring_params p;
     unsigned i;
     int ret;
 
-    if (queue_depth == 0 || queue_depth > 4096) {
+    if (queue_depth == 0 || queue_depth > 4096 || (engine != BD_ENGINE_URING && engine != BD_ENGINE_PORTABLE)) {
         *err = -EINVAL;
         return NULL;
     }
@@ -98,21 +154,27 @@ struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int *err)
         *err = -ENOMEM;
         return NULL;
     }
-    memset(&p, 0, sizeof(p));
-    if (big_sqe)
-        p.flags |= IORING_SETUP_SQE128 | IORING_SETUP_CQE32;
-    ret = io_uring_queue_init_params(queue_depth, &r->ring, &p);
-    if (ret < 0) {
+    r->engine = engine;
+    if (engine == BD_ENGINE_URING) {
+        memset(&p, 0, sizeof(p));
+        if (big_sqe)
+            p.flags |= IORING_SETUP_SQE128 | IORING_SETUP_CQE32;
+        ret = io_uring_queue_init_params(queue_depth, &r->ring, &p);
+        if (ret < 0) {
+            free(r);
+            *err = ret;
+            return NULL;
+        }
+    } else if (!(r->pool = pool_new(queue_depth))) {
         free(r);
-        *err = ret;
+        *err = -ENOMEM;
         return NULL;
     }
     r->depth = queue_depth;
     r->big_sqe = big_sqe;
     r->slots = calloc(queue_depth, sizeof(*r->slots));
     if (!r->slots) {
-        io_uring_queue_exit(&r->ring);
-        free(r);
+        bd_ring_free(r);
         *err = -ENOMEM;
         return NULL;
     }
@@ -127,10 +189,31 @@ void bd_ring_free(struct bd_ring *r)
 {
     if (!r)
         return;
-    io_uring_queue_exit(&r->ring);
+    if (r->engine == BD_ENGINE_URING)
+        io_uring_queue_exit(&r->ring);
+    else
+        pool_free(r->pool);
     free(r->bufs);
     free(r->slots);
     free(r);
+}
+
+int bd_ring_engine(struct bd_ring *r) { return r->engine; }
+
+int bd_uring_probe(int opcode)
+{
+    struct io_uring ring;
+    struct io_uring_probe *probe;
+    int ret = io_uring_queue_init(1, &ring, 0);
+
+    if (ret < 0)
+        return ret;
+    probe = io_uring_get_probe_ring(&ring);
+    ret = probe ? io_uring_opcode_supported(probe, opcode) != 0 : 0;
+    if (probe)
+        io_uring_free_probe(probe);
+    io_uring_queue_exit(&ring);
+    return ret;
 }
 
 unsigned bd_ring_depth(struct bd_ring *r) { return r->depth; }
@@ -141,6 +224,8 @@ int bd_ring_register_buffers(struct bd_ring *r, void **addrs, uint64_t *lens, un
     unsigned i;
     int ret;
 
+    if (r->engine != BD_ENGINE_URING)
+        return -EOPNOTSUPP;   /* threads pass plain addresses: nothing to register */
     if (r->nbufs)
         return -EBUSY;
     iov = calloc(n ? n : 1, sizeof(*iov));
@@ -376,56 +461,74 @@ int bd_enqueue(struct bd_ring *r, struct bd_xfer *x)
     return 0;
 }
 
-static void prep_nvme(struct io_uring_sqe *sqe, struct bd_ring *r, struct bd_slot *s, struct bd_xfer *x,
-                      uint64_t off)
-{
-    const struct bd_target *t = x->target;
-    struct nvme_uring_cmd *cmd = (struct nvme_uring_cmd *)sqe->cmd;
+/* The NVMe command of slot s (an I/O command set command), for either engine. */
+struct bd_nvme_io {
+    uint8_t opcode;
+    uint64_t addr;
+    uint32_t data_len, cdw10, cdw11, cdw12;
+};
 
-    sqe->opcode = IORING_OP_URING_CMD;
-    sqe->fd = t->fd;
-    sqe->cmd_op = NVME_URING_CMD_IO;
-    cmd->nsid = t->nsid;
-    cmd->timeout_ms = t->timeout_ms;
+static void nvme_command(struct bd_slot *s, struct bd_xfer *x, struct bd_nvme_io *c)
+{
+    memset(c, 0, sizeof(*c));
     switch (x->op) {
     case BD_OP_READ:
     case BD_OP_WRITE:
-        cmd->opcode = x->op == BD_OP_READ ? NVME_CMD_READ : NVME_CMD_WRITE;
-        cmd->addr = (uint64_t)(uintptr_t)((char *)x->buf + off);     /* Eq. 11 */
-        cmd->data_len = (uint32_t)s->len;
-        cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);               /* Eq. 9 */
-        cmd->cdw11 = (uint32_t)(s->slba >> 32);
-        cmd->cdw12 = s->nlb;                            /* Eq. 10, <= 0xffff (bd_chunk_cap) */
-        if (x->buf_index >= 0) {
-            sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
-            sqe->buf_index = (uint16_t)x->buf_index;
-        }
+        c->opcode = x->op == BD_OP_READ ? NVME_CMD_READ : NVME_CMD_WRITE;
+        c->addr = (uint64_t)(uintptr_t)((char *)x->buf + s->off);      /* Eq. 11 */
+        c->data_len = (uint32_t)s->len;
+        c->cdw10 = (uint32_t)(s->slba & 0xffffffffu);                  /* Eq. 9 */
+        c->cdw11 = (uint32_t)(s->slba >> 32);
+        c->cdw12 = s->nlb;                              /* Eq. 10, <= 0xffff (bd_chunk_cap) */
         break;
     case BD_OP_WRITE_ZEROES:
-        cmd->opcode = NVME_CMD_WRITE_ZEROES;
-        cmd->cdw10 = (uint32_t)(s->slba & 0xffffffffu);
-        cmd->cdw11 = (uint32_t)(s->slba >> 32);
-        cmd->cdw12 = s->nlb;
+        c->opcode = NVME_CMD_WRITE_ZEROES;
+        c->cdw10 = (uint32_t)(s->slba & 0xffffffffu);
+        c->cdw11 = (uint32_t)(s->slba >> 32);
+        c->cdw12 = s->nlb;
         break;
     case BD_OP_DISCARD:
         s->dsm.cattr = 0;
         s->dsm.nlb = s->nlb + 1;                       /* 1-based here, <= 0xffffffff */
         s->dsm.slba = s->slba;
-        cmd->opcode = NVME_CMD_DSM;
-        cmd->addr = (uint64_t)(uintptr_t)&s->dsm;
-        cmd->data_len = sizeof(s->dsm);
-        cmd->cdw10 = 0;                                                 /* one range, 0-based */
-        cmd->cdw11 = NVME_DSM_ATTR_DEALLOCATE;
+        c->opcode = NVME_CMD_DSM;
+        c->addr = (uint64_t)(uintptr_t)&s->dsm;
+        c->data_len = sizeof(s->dsm);
+        c->cdw10 = 0;                                                   /* one range, 0-based */
+        c->cdw11 = NVME_DSM_ATTR_DEALLOCATE;
         break;
     }
-    (void)r;
 }
 
-static void prep_rw(struct io_uring_sqe *sqe, struct bd_slot *s, struct bd_xfer *x, uint64_t off)
+static void prep_nvme(struct io_uring_sqe *sqe, struct bd_slot *s, struct bd_xfer *x)
+{
+    const struct bd_target *t = x->target;
+    struct nvme_uring_cmd *cmd = (struct nvme_uring_cmd *)sqe->cmd;
+    struct bd_nvme_io c;
+
+    nvme_command(s, x, &c);
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = t->fd;
+    sqe->cmd_op = NVME_URING_CMD_IO;
+    cmd->opcode = c.opcode;
+    cmd->nsid = t->nsid;
+    cmd->timeout_ms = t->timeout_ms;
+    cmd->addr = c.addr;
+    cmd->data_len = c.data_len;
+    cmd->cdw10 = c.cdw10;
+    cmd->cdw11 = c.cdw11;
+    cmd->cdw12 = c.cdw12;
+    if (is_rw(x->op) && x->buf_index >= 0) {
+        sqe->uring_cmd_flags = IORING_URING_CMD_FIXED;
+        sqe->buf_index = (uint16_t)x->buf_index;
+    }
+}
+
+static void prep_rw(struct io_uring_sqe *sqe, struct bd_slot *s, struct bd_xfer *x)
 {
     const struct bd_target *t = x->target;
     uint64_t dev_off = s->slba << t->lba_shift;
-    void *p = (char *)x->buf + off;
+    void *p = (char *)x->buf + s->off;
 
     switch (x->op) {
     case BD_OP_READ:
@@ -457,14 +560,145 @@ static void prep_rw(struct io_uring_sqe *sqe, struct bd_slot *s, struct bd_xfer 
     }
 }
 
-/* Fill free slots from the submit list.  Returns the number of SQEs prepared. */
-static unsigned fill(struct bd_ring *r)
+/* ------------------------------------------------------ portable engine -- */
+
+/* Run slot s synchronously; the result is what the io_uring CQE would carry: bytes moved or 0, a positive NVMe
+ * status, or -errno. */
+static int run_slot(struct bd_pool *p, struct bd_slot *s)
+{
+    struct bd_xfer *x = s->x;
+    const struct bd_target *t = x->target;
+    uint64_t dev_off = s->slba << t->lba_shift;
+    struct iovec iov = {(char *)x->buf + s->off, s->len};
+    ssize_t n;
+    int ret;
+
+    if (t->kind == BD_KIND_NVME) {
+        struct bd_nvme_io c;
+        nvme_command(s, x, &c);
+        if (!__atomic_load_n(&p->no_io64, __ATOMIC_RELAXED)) {
+            struct nvme_passthru_cmd64 cmd;
+            memset(&cmd, 0, sizeof(cmd));
+            cmd.opcode = c.opcode;
+            cmd.nsid = t->nsid;
+            cmd.addr = c.addr;
+            cmd.data_len = c.data_len;
+            cmd.cdw10 = c.cdw10;
+            cmd.cdw11 = c.cdw11;
+            cmd.cdw12 = c.cdw12;
+            cmd.timeout_ms = t->timeout_ms;
+            ret = ioctl(t->fd, NVME_IOCTL_IO64_CMD, &cmd);
+            if (ret >= 0 || errno != ENOTTY)
+                return ret < 0 ? -errno : ret;
+            __atomic_store_n(&p->no_io64, 1, __ATOMIC_RELAXED);     /* a kernel before the 64-bit result */
+        }
+        struct nvme_passthru_cmd cmd;
+        memset(&cmd, 0, sizeof(cmd));
+        cmd.opcode = c.opcode;
+        cmd.nsid = t->nsid;
+        cmd.addr = c.addr;
+        cmd.data_len = c.data_len;
+        cmd.cdw10 = c.cdw10;
+        cmd.cdw11 = c.cdw11;
+        cmd.cdw12 = c.cdw12;
+        cmd.timeout_ms = t->timeout_ms;
+        ret = ioctl(t->fd, NVME_IOCTL_IO_CMD, &cmd);
+        return ret < 0 ? -errno : ret;
+    }
+    switch (x->op) {
+    case BD_OP_READ:
+    case BD_OP_WRITE:
+        do
+            n = x->op == BD_OP_READ ? preadv2(t->fd, &iov, 1, (off_t)dev_off, 0)
+                                    : pwritev2(t->fd, &iov, 1, (off_t)dev_off, 0);
+        while (n < 0 && errno == EINTR);
+        return n < 0 ? -errno : (int)n;   /* s->len <= BD_RW_MAX_BYTES fits an int */
+    case BD_OP_WRITE_ZEROES:
+        return bd_fallocate(t->fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, dev_off, s->len);
+    case BD_OP_DISCARD:
+        return t->kind == BD_KIND_BLOCK ? bd_blkdiscard(t->fd, dev_off, s->len)
+                                        : bd_fallocate(t->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                                       dev_off, s->len);
+    }
+    return -EINVAL;
+}
+
+static void *pool_worker(void *arg)
+{
+    struct bd_ring *r = arg;
+    struct bd_pool *p = r->pool;
+
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        int idx;
+        struct bd_slot *s;
+
+        while (p->work_head < 0 && !p->stopping) {
+            p->idle++;
+            pthread_cond_wait(&p->work_cv, &p->mu);
+            p->idle--;
+        }
+        if (p->work_head < 0)
+            break;                                  /* stopping, and nothing left */
+        idx = p->work_head;
+        s = &r->slots[idx];
+        p->work_head = s->next_job;
+        if (p->work_head < 0)
+            p->work_tail = -1;
+        pthread_mutex_unlock(&p->mu);
+        s->res = run_slot(p, s);
+        pthread_mutex_lock(&p->mu);
+        s->next_job = -1;
+        if (p->done_tail >= 0)
+            r->slots[p->done_tail].next_job = idx;
+        else
+            p->done_head = idx;
+        p->done_tail = idx;
+        pthread_cond_signal(&p->done_cv);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* Hand the slots on list [head..tail] (linked by next_job) to the pool; start a thread when none is idle. */
+static int pool_submit(struct bd_ring *r, int head, int tail, unsigned n)
+{
+    struct bd_pool *p = r->pool;
+    int ret = 0;
+
+    pthread_mutex_lock(&p->mu);
+    if (p->work_tail >= 0)
+        r->slots[p->work_tail].next_job = head;
+    else
+        p->work_head = head;
+    p->work_tail = tail;
+    while (p->idle < n && p->nthreads < p->max_threads) {
+        ret = pthread_create(&p->threads[p->nthreads], NULL, pool_worker, r);
+        if (ret) {
+            ret = p->nthreads ? 0 : -ret;          /* the threads there will do the work */
+            break;
+        }
+        p->nthreads++;
+        n--;
+    }
+    if (n > 1)
+        pthread_cond_broadcast(&p->work_cv);
+    else
+        pthread_cond_signal(&p->work_cv);
+    pthread_mutex_unlock(&p->mu);
+    return ret;
+}
+
+/* Fill free slots from the submit list: SQEs on io_uring, jobs for the pool on the portable engine.  Returns the
+ * number of commands prepared (io_uring: not yet submitted), or -errno if the pool cannot start a thread. */
+static int fill(struct bd_ring *r)
 {
     unsigned n = 0;
+    int jobs_head = -1, jobs_tail = -1;
 
     while (r->sub_head && r->free_head >= 0) {
         struct bd_xfer *x = r->sub_head;
-        struct io_uring_sqe *sqe;
+        struct io_uring_sqe *sqe = NULL;
         struct bd_slot *s;
         struct bd_chunk c;
         int idx, ret;
@@ -479,8 +713,9 @@ static unsigned fill(struct bd_ring *r)
                 done_push(r, x);
             continue;
         }
-        /* block discard through the ioctl is synchronous: do it here */
-        if (x->op == BD_OP_DISCARD && x->target->kind == BD_KIND_BLOCK &&
+        /* block discard through the ioctl is synchronous: on io_uring, do it here (the portable engine's
+         * threads run it like any other command) */
+        if (r->engine == BD_ENGINE_URING && x->op == BD_OP_DISCARD && x->target->kind == BD_KIND_BLOCK &&
             x->target->discard_mode == BD_DISCARD_IOCTL) {
             uint64_t off = (x->slba << x->target->lba_shift) + x->next_off;
             if (!x->t_submit_ns)
@@ -517,10 +752,12 @@ static unsigned fill(struct bd_ring *r)
             if (r->reads_inflight && r->reads_inflight + c.len > r->read_window)
                 break;
         }
-        sqe = io_uring_get_sqe(&r->ring);
-        if (!sqe)
-            break;
-        memset(sqe, 0, r->big_sqe ? 128 : 64);     /* every byte of a 128-byte SQE */
+        if (r->engine == BD_ENGINE_URING) {
+            sqe = io_uring_get_sqe(&r->ring);
+            if (!sqe)
+                break;
+            memset(sqe, 0, r->big_sqe ? 128 : 64);     /* every byte of a 128-byte SQE */
+        }
         idx = r->free_head;
         s = &r->slots[idx];
         r->free_head = s->next_free;
@@ -528,11 +765,21 @@ static unsigned fill(struct bd_ring *r)
         s->len = c.len;
         s->slba = c.slba;
         s->nlb = c.nlb;
-        if (x->target->kind == BD_KIND_NVME)
-            prep_nvme(sqe, r, s, x, x->next_off);
-        else
-            prep_rw(sqe, s, x, x->next_off);
-        io_uring_sqe_set_data64(sqe, (uint64_t)idx);
+        s->off = x->next_off;
+        if (sqe) {
+            if (x->target->kind == BD_KIND_NVME)
+                prep_nvme(sqe, s, x);
+            else
+                prep_rw(sqe, s, x);
+            io_uring_sqe_set_data64(sqe, (uint64_t)idx);
+        } else {
+            s->next_job = -1;
+            if (jobs_tail >= 0)
+                r->slots[jobs_tail].next_job = idx;
+            else
+                jobs_head = idx;
+            jobs_tail = idx;
+        }
         if (!x->t_submit_ns)
             x->t_submit_ns = bd_monotonic_ns();
         x->next_off += c.len;
@@ -546,15 +793,19 @@ static unsigned fill(struct bd_ring *r)
             r->max_inflight = r->inflight;
         n++;
     }
-    return n;
+    if (jobs_head >= 0) {
+        int ret = pool_submit(r, jobs_head, jobs_tail, n);
+        if (ret < 0)
+            return ret;
+    }
+    return (int)n;
 }
 
-static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
+/* Slot idx finished with res (a CQE's res: bytes or 0, > 0 NVMe status, -errno). */
+static void complete(struct bd_ring *r, int idx, int res)
 {
-    int idx = (int)io_uring_cqe_get_data64(cqe);
     struct bd_slot *s = &r->slots[idx];
     struct bd_xfer *x = s->x;
-    int res = cqe->res;
 
     if (x->target->kind == BD_KIND_NVME) {
         /* res == 0 success, > 0 NVMe status, < 0 -errno */
@@ -591,16 +842,37 @@ static void complete(struct bd_ring *r, struct io_uring_cqe *cqe)
     }
 }
 
-static unsigned reap(struct bd_ring *r)
+/* Complete what has finished; with wait, first block until something has. */
+static unsigned reap(struct bd_ring *r, int wait)
 {
-    struct io_uring_cqe *cqe;
-    unsigned head, n = 0;
+    unsigned n = 0;
 
-    io_uring_for_each_cqe(&r->ring, head, cqe) {
-        complete(r, cqe);
-        n++;
+    if (r->engine == BD_ENGINE_URING) {
+        struct io_uring_cqe *cqe;
+        unsigned head;
+
+        io_uring_for_each_cqe(&r->ring, head, cqe) {
+            complete(r, (int)io_uring_cqe_get_data64(cqe), cqe->res);
+            n++;
+        }
+        io_uring_cq_advance(&r->ring, n);
+    } else {
+        struct bd_pool *p = r->pool;
+        int idx;
+
+        pthread_mutex_lock(&p->mu);
+        while (wait && p->done_head < 0)
+            pthread_cond_wait(&p->done_cv, &p->mu);
+        idx = p->done_head;                         /* take the whole list, complete it unlocked */
+        p->done_head = p->done_tail = -1;
+        pthread_mutex_unlock(&p->mu);
+        while (idx >= 0) {
+            int next = r->slots[idx].next_job;
+            complete(r, idx, r->slots[idx].res);
+            idx = next;
+            n++;
+        }
     }
-    io_uring_cq_advance(&r->ring, n);
     return n;
 }
 
@@ -611,11 +883,13 @@ int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, uns
     if (min_done > max_done)
         min_done = max_done;
     for (;;) {
-        unsigned prepared = fill(r);
+        int prepared = fill(r);
         int ret;
 
+        if (prepared < 0)
+            return prepared;
         if (r->ndone >= min_done || (r->inflight == 0 && !r->sub_head)) {
-            if (prepared) {
+            if (prepared && r->engine == BD_ENGINE_URING) {
                 ret = io_uring_submit(&r->ring);
                 if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY)
                     return ret;
@@ -625,12 +899,16 @@ int bd_progress(struct bd_ring *r, unsigned min_done, struct bd_xfer **done, uns
         if (r->inflight == 0)
             continue;   /* everything left was synchronous or already finished */
         r->n_waits++;
-        ret = io_uring_submit_and_wait(&r->ring, 1);
-        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
-            return ret;
-        reap(r);
+        if (r->engine == BD_ENGINE_URING) {
+            ret = io_uring_submit_and_wait(&r->ring, 1);
+            if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME)
+                return ret;
+            reap(r, 0);
+        } else {
+            reap(r, 1);
+        }
     }
-    reap(r);
+    reap(r, 0);
     while (out < max_done && r->done_head) {
         struct bd_xfer *x = r->done_head;
         r->done_head = x->next;

@@ -66,6 +66,15 @@ enum {
     BD_PAGECACHE_WRITE_CHUNK = 65536
 };
 
+/* Which engine drives a ring: io_uring (SQEs, io_uring_cmd passthrough), or the portable one (a small pool of
+ * threads doing preadv2/pwritev2, fallocate, ioctl(BLKDISCARD) and NVMe passthrough ioctls), for boxes where
+ * io_uring_setup is refused (seccomp, kernel.io_uring_disabled, gVisor) or io_uring_cmd is missing (< 5.19). */
+enum bd_engine {
+    BD_ENGINE_URING = 0,
+    BD_ENGINE_PORTABLE = 1,
+    BD_PORTABLE_MAX_THREADS = 8   /* threads of one portable ring: commands in flight at once */
+};
+
 enum bd_discard_mode {
     BD_DISCARD_URING_CMD = 0, /* BLOCK_URING_CMD_DISCARD (kernel 6.12+) */
     BD_DISCARD_IOCTL = 1      /* BLKDISCARD, synchronous, from the reaping thread */
@@ -108,9 +117,14 @@ struct bd_xfer {
 
 struct bd_ring;
 
-/* Ring lifecycle.  big_sqe != 0 sets SQE128|CQE32 (needed for NVMe). */
-struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int *err);
+/* Ring lifecycle.  engine: enum bd_engine.  big_sqe != 0 sets SQE128|CQE32 (io_uring, needed for NVMe).  A
+ * portable ring has no registered buffers (bd_ring_register_buffers: -EOPNOTSUPP) and starts its threads as
+ * work needs them, at most min(queue_depth, BD_PORTABLE_MAX_THREADS). */
+struct bd_ring *bd_ring_new(unsigned queue_depth, int big_sqe, int engine, int *err);
 void bd_ring_free(struct bd_ring *r);
+int bd_ring_engine(struct bd_ring *r);
+/* Does io_uring support this IORING_OP_* opcode here?  1 yes, 0 no, -errno: io_uring_setup itself failed. */
+int bd_uring_probe(int opcode);
 unsigned bd_ring_depth(struct bd_ring *r);
 int bd_ring_register_buffers(struct bd_ring *r, void **addrs, uint64_t *lens, unsigned n);
 int bd_ring_unregister_buffers(struct bd_ring *r);

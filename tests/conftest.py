@@ -9,9 +9,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 
+import daemon_util
 import pytest
 
-from bladed.io import StagingBuffer
+from bladed.io import ExtentDevice, StagingBuffer
+from bladed.io.engines import PORTABLE, URING, EngineChoice
 from bladed.io.file import supports_o_direct
 
 # tests/vm runs inside the QEMU NVMe VM (driven by tests/test_nvme_vm.py)
@@ -41,6 +43,16 @@ def store_dir(tmp_path: pathlib.Path) -> str:
     base = pathlib.Path(__file__).resolve().parent.parent / "var" / "test"
     base.mkdir(parents=True, exist_ok=True)
     return tempfile.mkdtemp(dir=base)
+
+
+@pytest.fixture(params=[URING, PORTABLE])
+def io_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on each engine (issue 29: everything above the engine behaves the same on both): every
+    device the test opens without naming an engine, and every daemon it starts without ``io.engine``, runs
+    on it.  The engine, backend, daemon and reliability suites take it with ``pytestmark``."""
+    monkeypatch.setattr(ExtentDevice, "_engine", EngineChoice(request.param, "the test's io_engine"))
+    monkeypatch.setattr(daemon_util, "IO_ENGINE", request.param)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -38,6 +38,8 @@ from bladed.spawn import PrivateDaemon, SpawnError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_TIMEOUT = 60.0
+#: ``io.engine`` of every daemon a test starts without naming one (the ``io_engine`` fixture sets it)
+IO_ENGINE: str | None = None
 
 
 def env_with_repo() -> dict[str, str]:
@@ -190,14 +192,19 @@ class DaemonProcess:
     """
 
     def __init__(self, state_dir: str, config: dict[str, dict[str, Any]] | None = None,
-                 env: dict[str, str] | None = None, *, embedded: bool = False) -> None:
+                 env: dict[str, str] | None = None, *, embedded: bool = False,
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> None:
         """``embedded``: no config file and no options, run from ``state_dir`` as the working
-        directory, so the embedded default puts everything in ``state_dir/var/bladed``."""
+        directory, so the embedded default puts everything in ``state_dir/var/bladed``; ``wrap``: turns
+        the daemon's argv into the one to run (``seccomp_util.command``)."""
         self.embedded = embedded
+        self.wrap = wrap
         self.state_dir = os.path.join(state_dir, "var", "bladed") if embedded else state_dir
         self.cwd = state_dir if embedded else ROOT
         self.extra_env = env or {}
         self.config: dict[str, dict[str, Any]] = {"device": {"size": "64M"}, "budget": {"interval_s": 60.0}}
+        if IO_ENGINE is not None:
+            self.config["io"] = {"engine": IO_ENGINE}
         for section, keys in (config or {}).items():
             self.config.setdefault(section, {}).update(keys)
         self.config_path = os.path.join(state_dir, "bladed.toml")
@@ -237,7 +244,7 @@ class DaemonProcess:
         if not self.embedded:
             self.write_config()
         args = [] if self.embedded else ["--config", self.config_path, "--state-dir", self.state_dir]
-        daemon = PrivateDaemon(args, env={**env_with_repo(), **self.extra_env}, cwd=self.cwd,
+        daemon = PrivateDaemon(args, env={**env_with_repo(), **self.extra_env}, cwd=self.cwd, wrap=self.wrap,
                                notify_path=self.notify_path).start()
         assert daemon.proc is not None and daemon.notify_socket is not None
         with self._cond:

@@ -13,6 +13,9 @@ from daemon_util import ClientProcess, DaemonProcess, short_tmpdir
 
 from bladed.client import Client
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 #: token = 2*8*128*2 = 4096 bytes: the §IV-B alignment precondition holds
 ALIGNED = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 32}
 KPU = 32 * 4096

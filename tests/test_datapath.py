@@ -41,6 +41,9 @@ from bladed.protocol import (
 )
 from bladed.residency.geometry import tensor_id
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 #: 4 KiB token rows, 4 layers, 8 tokens: 32 KiB KPUs
 GEO = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 KPU = 8 * 4096

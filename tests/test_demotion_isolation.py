@@ -27,6 +27,9 @@ from test_replan_live import Model, close_and_check_clean, pc_files, shrink
 
 from bladed.client import Client
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 #: the four geometries of the report: layers 2, batch 1, rows of 192 / 768 / 6144 / 4096 bytes
 FOUR = [
     {"layers": 2, "batch": 1, "kv_heads": 1, "head_dim": 96, "dtype_bytes": 2, "max_tokens": 12},

@@ -25,6 +25,9 @@ from bladed.protocol import IOOp
 from bladed.residency import ExtentAllocator, Geometry, Mode, plan_session
 from bladed.server.stores import Access, ExtentKPUStore
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 
 @dataclass
 class Chan:

@@ -32,6 +32,9 @@ from daemon_util import ROOT, ClientProcess, DaemonProcess, env_with_repo, short
 
 from bladed.client import Client, DaemonLostError, NoMemoryError, NoSpaceError, QuotaExceededError, RemoteIOError
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 KILLS = int(os.environ.get("BLADED_FAULT_KILLS", "1000"))
 #: 4096-byte tokens (aligned) and 768-byte tokens (padded rows on the extent)
 GEOMETRIES = [

@@ -13,6 +13,9 @@ from daemon_util import DaemonProcess, short_tmpdir
 from bladed.client import Client, IntegrityError
 from bladed.server.integrity import row_crcs
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 GEO = {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 16}
 TOKEN = 4096
 KPU = 16 * TOKEN

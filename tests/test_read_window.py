@@ -28,6 +28,9 @@ from bladed.protocol import IOOp
 from bladed.residency import Geometry
 from bladed.server.channel import READ_WINDOW_BYTES, Channel
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 MiB = 1 << 20
 KiB = 1 << 10
 

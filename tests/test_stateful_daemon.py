@@ -48,6 +48,9 @@ from test_faults import journal_sessions
 
 from bladed.client import Client, NoMemoryError, Session
 
+# on both engines, io_uring and the portable one (issue 29)
+pytestmark = pytest.mark.usefixtures("io_engine")
+
 LBA = 4096
 REGION_START = 8                     # LBAs below the region must never be written
 STORE_BYTES = 48 << 20

@@ -279,8 +279,12 @@ TOOLS = {
     "engine-4k": "bladed engine; staging on plain 4 KiB pages, huge pages refused (like fio's buffers)",
     "fio-batch": "fio as above plus iodepth_batch_submit=QD, iodepth_batch_complete_max=QD "
                  "(fio's batched submission and reaping)",
+    "engine-portable": "bladed's portable engine (io.engine = portable: preadv2/pwritev2 on min(QD, 8) threads, "
+                       "what runs where io_uring is refused); staging as for engine",
+    "fio-libaio": "fio, ioengine libaio, direct=1, iodepth QD: Linux AIO, the asynchronous path a box without "
+                  "io_uring still has (file and block targets)",
 }
-EXTRA_TOOLS = ("engine-4k", "fio-batch")
+EXTRA_TOOLS = ("engine-4k", "fio-batch", "engine-portable", "fio-libaio")
 
 
 @dataclass
@@ -320,12 +324,14 @@ def staging_backing(buf: Any) -> dict[str, Any]:
     return {"bytes": buf.nbytes, "anon_huge_bytes": huge, "allocator_says": buf.huge.name}
 
 
-def run_engine(target: Target, op_name: str, command_bytes: int, cfg: Config, staging: Any) -> dict[str, Any]:
-    """One measurement: all tensors of the range, back to back, on a fresh ring."""
+def run_engine(target: Target, op_name: str, command_bytes: int, cfg: Config, staging: Any,
+               engine: str = "uring") -> dict[str, Any]:
+    """One measurement: all tensors of the range, back to back, on a fresh ring of ``engine``."""
     from bladed.io import Engine, Op
 
     op = Op.WRITE if op_name == "write" else Op.READ
     dev = target.open(command_bytes)
+    dev.engine = engine
     try:
         with Engine(dev, cfg.queue_depth, [staging]) as eng:
             blocks = cfg.tensor_bytes // dev.lba_size
@@ -362,12 +368,13 @@ def run_engine(target: Target, op_name: str, command_bytes: int, cfg: Config, st
 
 
 def fio_command(target: Target, op_name: str, command_bytes: int, cfg: Config, output: str,
-                batch: bool = False) -> list[str]:
+                batch: bool = False, libaio: bool = False) -> list[str]:
+    engine = ["--ioengine=libaio", "--direct=1"] if libaio else [
+        *target.fio_args(), "--fixedbufs=1", f"--registerfiles={1 if cfg.fio_registerfiles else 0}"]
     cmd = [
-        cfg.fio, "--name=bladed-bench", f"--filename={target.path}", *target.fio_args(),
+        cfg.fio, "--name=bladed-bench", f"--filename={target.path}", *engine,
         f"--rw={op_name}", f"--bs={command_bytes}", f"--iodepth={cfg.queue_depth}",
         f"--size={cfg.size}", "--offset=0", "--numjobs=1",
-        "--fixedbufs=1", f"--registerfiles={1 if cfg.fio_registerfiles else 0}",
         # the engine never touches the payload: neither does fio (by default it
         # re-scrambles part of every buffer before each write)
         "--scramble_buffers=0",
@@ -381,9 +388,9 @@ def fio_command(target: Target, op_name: str, command_bytes: int, cfg: Config, o
 
 
 def run_fio(target: Target, op_name: str, command_bytes: int, cfg: Config, workdir: str,
-            batch: bool = False) -> dict[str, Any]:
+            batch: bool = False, libaio: bool = False) -> dict[str, Any]:
     output = os.path.join(workdir, "fio.json")
-    cmd = fio_command(target, op_name, command_bytes, cfg, output, batch)
+    cmd = fio_command(target, op_name, command_bytes, cfg, output, batch, libaio)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
@@ -740,9 +747,12 @@ def main(argv: list[str] | None = None) -> int:
     backing = {name: staging_backing(buf) for name, buf in stagings.items()}
 
     def one(tool: str, t: Target, op: str, c: int, workdir: str) -> dict[str, Any]:
+        if tool == "engine-portable":
+            return measure(lambda: run_engine(t, op, c, cfg, stagings["engine"], "portable"), t, op, cfg)
         if tool.startswith("engine"):
             return measure(lambda: run_engine(t, op, c, cfg, stagings[tool]), t, op, cfg)
-        return measure(lambda: run_fio(t, op, c, cfg, workdir, batch=tool == "fio-batch"), t, op, cfg)
+        return measure(lambda: run_fio(t, op, c, cfg, workdir, batch=tool == "fio-batch",
+                                       libaio=tool == "fio-libaio"), t, op, cfg)
 
     runs: list[dict[str, Any]] = []
     prefills = {}

@@ -102,6 +102,7 @@ def status(wait_s: float) -> None:
             ("config", d["config"]),
             ("socket", d["socket"]),
             ("device", f"{dev['kind']} {dev['path']} ({dev['lba_size']}-byte LBAs, {size(dev['capacity_bytes'])})"),
+            ("I/O engine", f"{d['engine']['engine']} ({d['engine']['reason']})"),
             ("region", f"LBA {reg['start_lba']} + {reg['blocks']} blocks ({size(reg['bytes'])})"),
             ("extents", f"{ext['used_blocks']} blocks used, {ext['free_blocks']} free"),
             ("page cache", d["pagecache_dir"]),

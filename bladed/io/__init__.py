@@ -18,21 +18,29 @@ from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer, transf
 BACKENDS = ("nvme", "block", "file")
 
 
-def open_device(backend: str, path: str, **options: Any) -> ExtentDevice:
-    """Open a device of the named backend (``nvme``, ``block`` or ``file``)."""
+def open_device(backend: str, path: str, *, engine: str = "auto", **options: Any) -> ExtentDevice:
+    """Open a device of the named backend (``nvme``, ``block`` or ``file``) on ``engine`` (``io.engine``)."""
+    dev: ExtentDevice
     if backend == "file":
         from bladed.io.file import FileDevice
 
-        return FileDevice(path, **options)
-    if backend == "block":
+        dev = FileDevice(path, **options)
+    elif backend == "block":
         from bladed.io.block import BlockDevice
 
-        return BlockDevice(path, **options)
-    if backend == "nvme":
+        dev = BlockDevice(path, **options)
+    elif backend == "nvme":
         from bladed.io.nvme import NvmeDevice
 
-        return NvmeDevice(path, **options)
-    raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        dev = NvmeDevice(path, **options)
+    else:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    try:
+        dev.engine = engine
+    except ValueError:
+        dev.close()
+        raise
+    return dev
 
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The extent-device interface every storage backend implements, and the
-per-channel engine (one io_uring + one device) that moves bytes.
+per-channel engine (one ring + one device) that moves bytes.
 
 Backends: :mod:`bladed.io.nvme` (NVMe generic char device, io_uring_cmd),
 :mod:`bladed.io.block` (raw block device, O_DIRECT), :mod:`bladed.io.file`
@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from bladed._uring import ffi, lib
+from bladed.io import engines
 from bladed.io.chunking import chunk_bytes
 from bladed.io.errors import AlignmentError, BladedIOError, TargetRangeError
 from bladed.io.uring import HugePages, Op, Ring, StagingBuffer, Transfer, buffer_address
@@ -49,6 +50,23 @@ class ExtentDevice(abc.ABC):
     nsid: int = 0
     max_discard_blocks: int = 0
     max_zeroes_blocks: int = 0
+    _engine: engines.EngineChoice | None = None
+
+    @property
+    def engine(self) -> str:
+        """The engine every :class:`Engine` of this device runs (``uring`` or ``portable``)."""
+        return self.engine_choice.engine
+
+    @engine.setter
+    def engine(self, setting: str) -> None:
+        self._engine = engines.choose(setting, self.kind)
+
+    @property
+    def engine_choice(self) -> engines.EngineChoice:
+        """The engine and why: set from ``io.engine`` at open, else what ``auto`` finds."""
+        if self._engine is None:
+            self._engine = engines.choose(engines.AUTO, self.kind)
+        return self._engine
 
     def fixed_buffers_usable(self, buffers: Sequence[StagingBuffer]) -> bool:
         """Whether registering these staging buffers with the ring works for this device."""
@@ -105,6 +123,7 @@ class ExtentDevice(abc.ABC):
             "max_transfer_bytes_huge": self.max_transfer_bytes_huge,
             "zeroes_after_discard": self.zeroes_after_discard,
             "nsid": self.nsid,
+            "engine": self.engine,
         }
 
     def close(self) -> None:
@@ -134,7 +153,7 @@ def _log_fixed_unsupported(device: ExtentDevice) -> None:
 
 
 class Engine:
-    """One ring bound to one device: what a worker channel owns.
+    """One ring bound to one device, on the device's engine: what a worker channel owns.
 
     Not thread-safe: give each thread its own Engine (they may share the device).
     """
@@ -142,7 +161,7 @@ class Engine:
     def __init__(self, device: ExtentDevice, queue_depth: int = DEFAULT_QUEUE_DEPTH,
                  buffers: Sequence[StagingBuffer] = ()) -> None:
         self.device = device
-        self.ring = Ring(queue_depth, big_sqe=device.big_sqe)
+        self.ring = Ring(queue_depth, big_sqe=device.big_sqe, engine=device.engine)
         self.target = device.make_target()
         # commands from 2 MiB-page buffers may be larger (one segment per huge
         # page): those transfers get their own target with the larger limit

@@ -12,11 +12,13 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bladed._uring import ffi, lib
+from bladed.io import engines
 from bladed.io.errors import (
     AlignmentError,
     BladedIOError,
@@ -282,16 +284,26 @@ _memlock_warned = threading.Event()
 
 
 class Ring:
-    """An io_uring instance driven by the C engine; owned by one thread at a time."""
+    """A queue of transfers driven by the C engine; owned by one thread at a time.
 
-    def __init__(self, queue_depth: int = 32, *, big_sqe: bool = False) -> None:
+    ``engine="uring"``: an io_uring instance.  ``engine="portable"``: a pool of
+    at most ``min(queue_depth, 8)`` threads running the same commands as
+    positional syscalls and ioctls (no registered buffers).
+    """
+
+    def __init__(self, queue_depth: int = 32, *, big_sqe: bool = False, engine: str = engines.URING) -> None:
         if not 1 <= queue_depth <= 4096:
             raise ValueError(f"queue depth must be within 1..4096, got {queue_depth}")
         err = ffi.new("int *")
-        ring = lib.bd_ring_new(queue_depth, 1 if big_sqe else 0, err)
+        ring = lib.bd_ring_new(queue_depth, 1 if big_sqe else 0, engines.c_engine(engine), err)
         if ring == ffi.NULL:
-            raise errno_error(-err[0], f"io_uring setup (depth {queue_depth}, big_sqe={big_sqe})")
+            if engine == engines.URING and err[0] in (-errno.EPERM, -errno.ENOSYS, -errno.EACCES):
+                raise BladedIOError(-err[0], f"io_uring is not available to bladed here "
+                                             f"({errno.errorcode.get(-err[0], -err[0])}: {os.strerror(-err[0])}): "
+                                             f'set io.engine = "auto" or "portable"')
+            raise errno_error(-err[0], f"{engine} engine setup (depth {queue_depth}, big_sqe={big_sqe})")
         self._ring: Any = ring
+        self.engine = engine
         self.queue_depth = queue_depth
         self.big_sqe = big_sqe
         self.registered_buffers = 0
@@ -300,8 +312,11 @@ class Ring:
         self._done = ffi.new("struct bd_xfer *[]", 256)
 
     def register_buffers(self, buffers: Sequence[StagingBuffer]) -> bool:
-        """Register staging memory as fixed buffers; False (logged once) if the kernel refuses."""
-        if not buffers:
+        """Register staging memory as fixed buffers; False (logged once) if the kernel refuses.
+
+        Always False on the portable engine: its threads pass plain addresses.
+        """
+        if not buffers or self.engine != engines.URING:
             return False
         memory = [b.memory() for b in buffers]
         addrs = ffi.new("void *[]", [ffi.cast("void *", b.address) for b in buffers])
@@ -377,7 +392,7 @@ class Ring:
         """Drive the ring until ``min_done`` transfers completed; return those completed."""
         n = lib.bd_progress(self._ring, min_done, self._done, len(self._done))
         if n < 0:
-            raise errno_error(-n, "io_uring submit/wait")
+            raise errno_error(-n, f"{self.engine} engine submit/wait")
         return [self._pending.pop(self._done[i]) for i in range(n)]
 
     def run(self, xfers: Iterable[Transfer]) -> list[Transfer]:

@@ -111,8 +111,12 @@ class Daemon:
         # keep re-sampling B_pc and demote live sessions' KPUs when it shrinks (bladed.server.replan)
         self.manager.replanner.start()
         desc = self.device.describe()
+        engine = self.device.engine_choice
+        # once, with the reason: an operator reading why a box runs without io_uring finds it here
+        log.log(logging.WARNING if engine.engine != "uring" and cfg.io.engine == "auto" else logging.INFO,
+                "I/O engine: %s", engine.describe())
         event("daemon_start", version=__version__, pid=os.getpid(), backend=desc["kind"], device=desc["path"],
-              lba_size=desc["lba_size"], region=f"{start}+{blocks}", socket=cfg.socket_path,
+              engine=engine.engine, lba_size=desc["lba_size"], region=f"{start}+{blocks}", socket=cfg.socket_path,
               pagecache=cfg.pagecache_dir, metrics=self.metrics.address if self.metrics else "off",
               config=cfg.source or "embedded-default")
         sd_notify("READY=1", f"STATUS=serving on {cfg.socket_path}: {desc['kind']} {desc['path']}, "
@@ -266,7 +270,7 @@ class Daemon:
                            "host_total_bytes", "pinned_bytes")}
         with self._conns_lock:
             connections = len(self._conns)
-        return {"sessions": len(self.manager.sessions), "connections": connections,
+        return {"sessions": len(self.manager.sessions), "connections": connections, "engine": self.device.engine,
                 "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks,
                             "largest_free": self.allocator.largest_free, "region_blocks": self.allocator.nblocks},
                 "lba_size": self.device.lba_size,
@@ -305,6 +309,7 @@ class Daemon:
             "uptime_s": time.time() - self.started, "config": self.cfg.source or "embedded-default",
             "state_dir": self.cfg.state_dir, "socket": self.cfg.socket_path, "pagecache_dir": self.cfg.pagecache_dir,
             "device": d.describe(),
+            "engine": {"engine": d.engine, "reason": d.engine_choice.reason},
             "region": {"start_lba": self.allocator.start_lba, "blocks": self.allocator.nblocks,
                        "bytes": self.allocator.nblocks * d.lba_size},
             "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks},

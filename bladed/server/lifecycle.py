@@ -10,6 +10,7 @@ from typing import Any
 
 from bladed.config import Config, ConfigError, validate_device
 from bladed.io import BladedIOError, Engine, ExtentDevice, open_device
+from bladed.io.engines import EngineSettingError
 from bladed.residency.extents import Extent, ExtentAllocator
 from bladed.server.events import event
 from bladed.server.metrics import Stats
@@ -86,7 +87,9 @@ def open_store_device(cfg: Config) -> ExtentDevice:
         raise ConfigError([f"device.path: {path} does not exist (missing device; check `bladectl ns list`)"],
                           cfg.source)
     try:
-        dev = open_device(d.backend, path, **opts)
+        dev = open_device(d.backend, path, engine=cfg.io.engine, **opts)
+    except EngineSettingError as e:
+        raise ConfigError([str(e)], cfg.source) from None
     except PermissionError as e:
         raise ConfigError([f"device.path: no permission to open {path} read-write ({e.strerror})"],
                           cfg.source) from None

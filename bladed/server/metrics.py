@@ -338,6 +338,10 @@ class Collector:
             yield fam
 
         live = self.gauges()
+        engine = GaugeMetricFamily("bladed_io_engine_info", "The engine that moves the store's bytes (value 1): "
+                                   "uring, or portable (threads; no io_uring here)", labels=["engine"])
+        engine.add_metric([live["engine"]], 1)
+        yield engine
         yield GaugeMetricFamily("bladed_sessions", "Open sessions", value=live["sessions"])
         yield GaugeMetricFamily("bladed_connections", "Open client connections (control and data)",
                                 value=live["connections"])

@@ -13,9 +13,12 @@ import errno
 import os
 import socket
 import stat
+from typing import Any
 
 from bladed.config import Config
 from bladed.io import open_device
+from bladed.io.engines import EngineSettingError
+from bladed.io.engines import choose as choose_engine
 from bladed.server.state import LOCK
 
 
@@ -123,10 +126,19 @@ def _check_metrics(cfg: Config) -> list[str]:
 
 
 def check_device(cfg: Config) -> tuple[list[str], str]:
-    """The device, opened only if it exists (a missing store file is not created).
+    """The device, opened only if it exists (a missing store file is not created), and its engine.
 
     Returns the problems and a one-line description of what start-up will use.
     """
+    try:
+        engine = choose_engine(cfg.io.engine, cfg.device.backend)
+    except EngineSettingError as e:
+        return [str(e)], ""
+    problems, what = _check_device(cfg)
+    return problems, f"{what}; I/O engine {engine.describe()}" if what else what
+
+
+def _check_device(cfg: Config) -> tuple[list[str], str]:
     from bladed.config import format_size, region_of, validate_device
 
     d = cfg.device
@@ -147,14 +159,16 @@ def check_device(cfg: Config) -> tuple[list[str], str]:
                           f"{format_size(n * lba)}")
     if d.backend != "file" and not os.path.exists(path):
         return [f"device.path: {path} does not exist (no such device); see `bladectl ns list`"], ""
-    opts: dict[str, object] = {}
+    opts: dict[str, Any] = {}
     if d.backend == "file":
         opts = {"size_bytes": None, "lba_size": d.lba_size or 4096, "max_command_bytes": d.max_command_bytes,
                 "create": False}
     elif d.backend == "block":
         opts = {"max_command_bytes": d.max_command_bytes}
     try:
-        dev = open_device(d.backend, path, **opts)
+        dev = open_device(d.backend, path, engine=cfg.io.engine, **opts)
+    except EngineSettingError as e:
+        return [str(e)], ""
     except PermissionError as e:
         return [f"device.path: no permission to open {path} read-write ({e.strerror}); run as a user in its group "
                 "(udev/60-bladed.rules) or as root"], ""
