@@ -2,7 +2,7 @@
 
 A leaf module (it imports nothing of bladed), so every layer can attach fields
 to its log records: ``log.info("session plan", extra=fields(session=sid, group1_layers=3))``.
-The daemon's formatter (:class:`bladed.server.systemd.LogfmtFormatter`) writes
+The daemon's formatter (:class:`bladed.server.daemon.systemd.LogfmtFormatter`) writes
 them after ``msg=``; docs/operations.md ("Logs") describes the line.
 """
 

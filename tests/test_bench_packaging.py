@@ -54,7 +54,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.mark.slow  # compiles the cffi extension: 5-10 s
 def test_the_product_wheel_has_no_benchmark_modules(staged: pathlib.Path, tmp_path: pathlib.Path) -> None:
     names = _build_wheel(staged, tmp_path).namelist()
-    assert "bladed/cli/bladectl.py" in names and "bladed/server/daemon.py" in names
+    assert "bladed/cli/bladectl.py" in names and "bladed/server/daemon/core.py" in names
     bench = [n for n in names if n.startswith((f"{HARNESS}/", "bladed/bench/", "bench/"))]
     assert bench == [], bench
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from daemon_util import ROOT, documented_exit_statuses, short_tmpdir
 
-from bladed.server.main import EXIT_STATUSES
+from bladed.server.daemon.main import EXIT_STATUSES
 
 
 def bladed(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

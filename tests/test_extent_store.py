@@ -23,7 +23,7 @@ from bladed.io import Engine, StagingBuffer
 from bladed.io.file import FileDevice
 from bladed.protocol import IOOp
 from bladed.residency import ExtentAllocator, Geometry, Mode, plan_session
-from bladed.server.stores import Access, ExtentKPUStore
+from bladed.server.storage import Access, ExtentKPUStore
 
 # on both engines, io_uring and the portable one (issue 29)
 pytestmark = pytest.mark.usefixtures("io_engine")
@@ -69,7 +69,7 @@ class Harness:
     def run(self, accesses: list[Access]) -> None:
         slot = np.frombuffer(self.slot.view(), np.uint8)
         for a in accesses:
-            if a.is_write:
+            if a.write:
                 data = self.rng.integers(0, 256, a.nbytes, np.uint8)
                 slot[a.slot_offset:a.slot_offset + a.nbytes] = data
                 self.model[a.kpu.tensor_id][a.offset:a.offset + a.nbytes] = data
@@ -78,7 +78,7 @@ class Harness:
         self.store.run(self.ch, accesses)
         for a in accesses:
             assert a.result.ok, a.result.message
-            if not a.is_write:
+            if not a.write:
                 got = slot[a.slot_offset:a.slot_offset + a.nbytes]
                 want = self.model[a.kpu.tensor_id][a.offset:a.offset + a.nbytes]
                 assert np.array_equal(got, want), f"{a.kpu.name} tokens {a.token_start}+{a.ntokens}"

@@ -54,7 +54,7 @@ from bladed.protocol import (
     encode,
     send_frame,
 )
-from bladed.server.session import MAX_LAYERS
+from bladed.server.sessions.rules import MAX_LAYERS
 from bladed.sizes import align_up
 
 GEOMETRY = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}

@@ -11,7 +11,7 @@ import pytest
 from daemon_util import DaemonProcess, short_tmpdir
 
 from bladed.client import Client, IntegrityError
-from bladed.server.integrity import row_crcs
+from bladed.server.storage.integrity import row_crcs
 
 # on both engines, io_uring and the portable one (issue 29)
 pytestmark = pytest.mark.usefixtures("io_engine")

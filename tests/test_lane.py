@@ -1,4 +1,4 @@
-"""The lane (bladed.server.lane): what the daemon serves in C is served, counted and ordered as the
+"""The lane (bladed.server.wire.lane): what the daemon serves in C is served, counted and ordered as the
 general path would, against a real daemon.
 
 The lane takes requests whose every range is on a KPU with an open gate (a

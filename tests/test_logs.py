@@ -289,7 +289,7 @@ def test_connection_opened_and_closed_are_debug_lines_for_every_peer(tmp: str) -
 REPORT = """
 import sys
 from bladed.config import load_config
-from bladed.server.systemd import report_error, setup_logging
+from bladed.server.daemon.systemd import report_error, setup_logging
 if sys.argv[1] == "configured":
     setup_logging(load_config(None))
 report_error('device.path: "/dev/nvme9n1" does not exist; fix device.path')

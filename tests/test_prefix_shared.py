@@ -35,8 +35,8 @@ import bladed_bench.redis_server as bench_redis
 from bladed.client import Client
 from bladed.config import ConfigError, config_from_dict
 from bladed.residency.geometry import Geometry
-from bladed.server.prefix import block_chain, seed_of
-from bladed.server.shared_tier import HEADER, BlockRef, Rejected, pack, unpack
+from bladed.server.prefixes.keys import block_chain, seed_of
+from bladed.server.prefixes.shared_tier import HEADER, BlockRef, Rejected, pack, unpack
 
 #: one block's value payload: the block's token rows of every KPU
 BLOCK_BYTES = 2 * GEO["layers"] * BLOCK * TB
@@ -151,7 +151,7 @@ def test_a_prefix_retained_on_one_daemon_is_a_hit_on_another(tier: tuple[RedisSe
 
 
 def documented_tag(secret: str, k: str, scope: str, seed: bytes, index: int, chain_hash: str, payload: bytes) -> bytes:
-    """The tag as docs/architecture.md spells it, written out independently of bladed.server.shared_tier.mac."""
+    """The tag as docs/architecture.md spells it, written independently of bladed.server.prefixes.shared_tier.mac."""
     def lp(b: bytes) -> bytes:
         return struct.pack("<I", len(b)) + b
 

@@ -50,9 +50,11 @@ from bladed.protocol import (
 from bladed.residency.budget import BudgetBreakdown
 from bladed.residency.geometry import Geometry
 from bladed.residency.planner import plan_session
-from bladed.server.daemon import Connection
+from bladed.server.events import Peer
 from bladed.server.metrics import Stats
-from bladed.server.session import MAX_LAYERS, Peer, Session
+from bladed.server.sessions.rules import MAX_LAYERS
+from bladed.server.sessions.session import Session
+from bladed.server.wire.connection import Connection
 
 GEOMETRY = {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
 SLOT = 8 * 4096

@@ -26,7 +26,7 @@ from bladed.io.chunking import plan_chunks
 from bladed.io.file import FileDevice
 from bladed.protocol import IOOp
 from bladed.residency import Geometry
-from bladed.server.channel import READ_WINDOW_BYTES, Channel
+from bladed.server.storage.channel import READ_WINDOW_BYTES, Channel
 
 # on both engines, io_uring and the portable one (issue 29)
 pytestmark = pytest.mark.usefixtures("io_engine")

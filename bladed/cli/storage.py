@@ -2,7 +2,7 @@
 something else already uses it (the checks that follow are in :mod:`bladed.cli.checks`).
 
 "In use" means, in this order: a live bladed serves it (the daemon keeps its store open and holds
-the flock on ``bladed.lock`` in its state directory, :mod:`bladed.server.state`), a filesystem on it
+the flock on ``bladed.lock`` in its state directory, :mod:`bladed.server.storage.journal`), a filesystem on it
 (or on one of its partitions) is mounted, it is swap, a device-mapper / md device is stacked on it,
 or another process has it open exclusively (``O_EXCL`` gives ``EBUSY``).  For an NVMe namespace
 (``/dev/ngXnY``) the same questions are asked of its block device ``/dev/nvmeXnY``: passthrough
@@ -19,7 +19,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladed.server.state import LOCK
+from bladed.server.storage.journal import LOCK
 
 KINDS = {"file": "plain file", "block": "block device", "nvme": "character device (NVMe namespace)"}
 

@@ -268,7 +268,7 @@ class Plan:
     def aligned(self) -> bool:
         """The §IV-B precondition: a token row is a whole number of LBAs, so every token range of a
         KPU is whole LBAs (Algorithm 2 applies as is; otherwise the extent keeps rows packed and the
-        daemon completes the edge LBAs: ``bladed.server.stores.extent``)."""
+        daemon completes the edge LBAs: ``bladed.server.storage.extent_store``)."""
         return self.geometry.aligned(self.lba_size)
 
     def hit_fraction_bound(self) -> float:

@@ -2,6 +2,6 @@
 
 import sys
 
-from bladed.server.main import main
+from bladed.server.daemon.main import main
 
 sys.exit(main())

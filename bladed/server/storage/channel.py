@@ -9,7 +9,7 @@ paper §IV-C).  The lock only matters when something else borrows the channel
 (a JSON ``read``/``write`` on the control connection, a live demotion, the
 session's teardown waiting for the request in flight).  It is a C mutex
 (``bd_chan``), because the lane's C loop takes it too
-(``bladed.server.lane``); the channel's counters live beside it.
+(``bladed.server.wire.lane``); the channel's counters live beside it.
 
 Each channel's ring reads through a window (``io.read_window_bytes``,
 default :data:`READ_WINDOW_BYTES`), so that small writes of other channels

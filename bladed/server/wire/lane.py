@@ -8,8 +8,8 @@ and a one-token direct write at 2.5-3.2x a bare io_uring write ("The request
 loop in C").  So the loop of a data connection runs in C (``bd_lane_run``,
 ``cffi_build/bladed_lane.c``): it reads each frame, checks the request against
 the same rules as :meth:`Session.execute` (or stricter), takes the channel lock
-(a C mutex, the one :class:`~bladed.server.channel.Channel` hands Python),
-counts itself in on each KPU's gate (``bladed.server.gates``), runs the ranges
+(a C mutex, the one :class:`~bladed.server.storage.channel.Channel` hands Python),
+counts itself in on each KPU's gate (``bladed.server.storage.gates``), runs the ranges
 and sends the reply, without coming back to Python:
 
 * a plain page-cache KPU by copy between the slot and the KPU's file;
@@ -35,31 +35,39 @@ message.
 
 from __future__ import annotations
 
+import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from bladed._uring import ffi, lib
 from bladed.io import transfer_error
 from bladed.protocol import (
+    IO_FORMAT,
     IO_RANGE,
     IO_REPLY,
     IO_REQUEST,
     IO_RESULT,
     MAX_RANGES,
     NO_HIT,
+    ConnectionClosed,
     ErrorCode,
+    FrameError,
     FrameStream,
     IOOp,
     RangeResult,
+    RequestError,
+    decode_io_request,
+    encode_io_refusal,
     encode_io_reply,
 )
 from bladed.residency.planner import KVPath
 from bladed.server.metrics import LATENCY_BOUNDS_NS
-from bladed.server.stores.pagecache import range_failure
+from bladed.server.sessions.session import Session
+from bladed.server.storage.channel import Channel
+from bladed.server.storage.pagecache_store import range_failure
 
-if TYPE_CHECKING:
-    from bladed.server.channel import Channel
-    from bladed.server.session import Session
+log = logging.getLogger("bladed.connection")
 
 _PATH_NAMES = {lib.BD_PATH_PAGECACHE: KVPath.PAGECACHE.value, lib.BD_PATH_DIRECT: KVPath.DIRECT.value}
 
@@ -70,6 +78,10 @@ class Lane:
     def __init__(self, sess: Session, ch: Channel, sock: socket.socket, limit: int) -> None:
         self.sess = sess
         self.ch = ch
+        #: ranges one request may carry (``io.max_outstanding``)
+        self.limit = limit
+        #: requests that came back to Python (:meth:`serve`)
+        self.general_requests = 0
         limit = max(1, min(limit, MAX_RANGES))
         g = sess.geometry
         gates = sess.live.gates
@@ -127,6 +139,39 @@ class Lane:
         if r == 1:
             return self._partial_reply()
         raise self.stream.error(r)
+
+    def serve(self, refuse: Callable[[ErrorCode, str], None], pid: int) -> str:
+        """Serve binary I/O requests until the peer or the session goes; returns why it ended.  The lane runs
+        what it can in C; the rest comes back here for :meth:`Session.execute` (counted in
+        :attr:`general_requests`); ``refuse(code, message)`` counts a request the client got wrong."""
+        sess, ch = self.sess, self.ch.index
+        send = self.stream.send
+        while True:
+            try:
+                got = self.next()
+            except ConnectionClosed:
+                return "closed" if not sess.closing else "session_closed"
+            if isinstance(got, bytes):      # the lane ran it; a range failed
+                send(got)
+                continue
+            fmt, body = got
+            if fmt != IO_FORMAT:
+                raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
+            self.general_requests += 1
+            req_id = 0
+            try:
+                req_id, ranges = decode_io_request(body)
+                data = encode_io_reply(req_id, sess.execute(ch, ranges, self.limit))
+            except RequestError as e:
+                if not req_id and len(body) >= IO_REQUEST.size:
+                    req_id = IO_REQUEST.unpack_from(body)[0]     # a malformed request's id, for its refusal
+                refuse(e.code, e.message)
+                data = encode_io_refusal(req_id, e.code, e.message)
+            except Exception as e:
+                log.exception("I/O request of pid %d on session %s channel %d failed", pid, sess.id, ch)
+                data = encode_io_refusal(req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self.refresh()          # a KPU file that request made: the lane serves it from now on
+            send(data)
 
     def refresh(self) -> None:
         """Open the gates that can open now (after the general path made a KPU's file or bound its LBAs)."""

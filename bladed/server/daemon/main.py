@@ -15,10 +15,10 @@ import traceback
 from bladed import __version__
 from bladed.config import Config, ConfigError, load_config
 from bladed.protocol import PROTOCOL_VERSION
-from bladed.server.daemon import Daemon
-from bladed.server.preflight import check_device, check_paths
-from bladed.server.state import StateLockedError
-from bladed.server.systemd import report_error, setup_logging
+from bladed.server.daemon.core import Daemon
+from bladed.server.daemon.preflight import check_device, check_paths
+from bladed.server.daemon.systemd import report_error, setup_logging
+from bladed.server.storage.journal import StateLockedError
 
 log = logging.getLogger("bladed")
 

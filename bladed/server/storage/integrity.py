@@ -21,14 +21,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from bladed.protocol import ErrorCode, RequestError
-
-if TYPE_CHECKING:
-    from bladed.residency.geometry import Geometry
+from bladed.residency.geometry import Geometry
 
 _crc32c: Any = None
 with contextlib.suppress(ImportError):  # reported when a session asks for checksums

@@ -20,7 +20,8 @@ from bladed.io import BladedIOError
 from bladed.io.pagecache import PageCacheFile, PageCacheStore
 from bladed.protocol import ErrorCode
 from bladed.residency.planner import KPU, KVPath
-from bladed.server.stores.base import Access, ChannelIO, KPUStore
+from bladed.server.storage.base import Access, ChannelIO, KPUStore
+from bladed.server.storage.gates import KPUGates
 
 log = logging.getLogger("bladed.session")
 
@@ -57,9 +58,14 @@ class PageCacheKPUStore(KPUStore):
     def holds(self, tensor_id: int) -> bool:
         return tensor_id in self._files
 
-    @property
-    def file_count(self) -> int:
-        return len(self._files)
+    def offer_gate(self, kpu: KPU, gates: KPUGates) -> bool:
+        """A page-cache KPU may be served by the lane once its file exists, unless it is dropped after use
+        (its pages go after every access: the general path's)."""
+        t = kpu.tensor_id
+        if kpu.drop_after_use or not self.holds(t):
+            return True
+        f = self.file(t)
+        return f.materialized and gates.open(t, f.fd, f.address, f.nbytes)
 
     def run(self, ch: ChannelIO, accesses: list[Access]) -> None:
         slot = ch.slot
@@ -125,10 +131,6 @@ class PageCacheKPUStore(KPUStore):
         if self.directory and remove:
             shutil.rmtree(self.directory, ignore_errors=True)
         return len(files)
-
-    def describe(self) -> dict[str, object]:
-        return {"kpus": len(self._files), "directory": self.directory,
-                "bytes": sum(self._kpus[t].pagecache_bytes for t in self._files)}
 
 
 def range_failure(write: bool, name: str, e: Exception) -> str:

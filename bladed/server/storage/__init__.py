@@ -1,11 +1,13 @@
-"""Where a session's KPUs live: one interface, one module per store.
+"""The storage wing: where KPUs live and how their bytes move -- one store interface (``base``), one module
+per store, the channel a request runs on (``channel``), row checksums (``integrity``), the crash-recovery
+journal (``journal``) and the one way back for a written run of the region (``release``).
 
 ==========================  ==================================================
-:class:`PageCacheKPUStore`  the page-cache path: one mmap'd file per KPU
-                            (``bladed.server.stores.pagecache``)
+:class:`PageCacheKPUStore`  the page-cache path: one file per KPU
+                            (``bladed.server.storage.pagecache_store``)
 :class:`ExtentKPUStore`     the NVMe-direct path: the session's contiguous LBA
                             extent, token rows packed back to back
-                            (``bladed.server.stores.extent``)
+                            (``bladed.server.storage.extent_store``)
 ==========================  ==================================================
 
 A session has one of each; every KPU is in exactly one of them (its plan's
@@ -17,8 +19,8 @@ device sees the whole batch) and fills in each one's :class:`RangeResult`: a
 failure of one range never fails another.
 """
 
-from bladed.server.stores.base import Access, ChannelIO, KPUStore
-from bladed.server.stores.extent import ExtentKPUStore
-from bladed.server.stores.pagecache import PageCacheKPUStore
+from bladed.server.storage.base import Access, ChannelIO, KPUStore
+from bladed.server.storage.extent_store import ExtentKPUStore
+from bladed.server.storage.pagecache_store import PageCacheKPUStore
 
 __all__ = ["Access", "ChannelIO", "ExtentKPUStore", "KPUStore", "PageCacheKPUStore"]

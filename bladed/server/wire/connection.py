@@ -16,14 +16,13 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bladed import __version__
 from bladed.io import BladedIOError
 from bladed.logfmt import fields
 from bladed.protocol import (
     IO_FORMAT,
-    IO_REQUEST,
     MAX_FRAME_BYTES,
     MIN_PROTOCOL_VERSION,
     OPS,
@@ -36,10 +35,7 @@ from bladed.protocol import (
     FrameReader,
     FrameTooLargeError,
     RequestError,
-    decode_io_request,
     encode,
-    encode_io_refusal,
-    encode_io_reply,
     error_reply,
     get_field,
     ok_reply,
@@ -47,11 +43,9 @@ from bladed.protocol import (
     send_frame,
 )
 from bladed.server.events import Peer
-from bladed.server.lane import Lane
-
-if TYPE_CHECKING:
-    from bladed.server.daemon import Daemon
-    from bladed.server.session import Session
+from bladed.server.sessions.session import Session
+from bladed.server.wire.lane import Lane
+from bladed.server.wire.services import Services
 
 log = logging.getLogger("bladed.connection")
 
@@ -86,8 +80,8 @@ def refuse(sock: socket.socket, code: ErrorCode, why: str) -> None:
 class Connection:
     """One client connection: its thread, its sessions (control) or its channel (data), its replies."""
 
-    def __init__(self, daemon: Daemon, sock: socket.socket, peer: Peer) -> None:
-        self.daemon = daemon
+    def __init__(self, services: Services, sock: socket.socket, peer: Peer) -> None:
+        self.services = services
         self.sock = sock
         self.peer = peer
         self.sessions: dict[str, Session] = {}
@@ -108,7 +102,7 @@ class Connection:
         must not flood the log: the rest are only counted); other refusals of control requests are
         DEBUG lines.
         """
-        self.daemon.stats.count("bad_requests", code.value)
+        self.services.stats.count("bad_requests", code.value)
         self.refused += 1
         if code in PROTOCOL_ERRORS:
             if not self._protocol_error_logged:
@@ -172,7 +166,7 @@ class Connection:
             if self.attached is not None:
                 reason = self._serve_data(*self.attached)
         except ConnectionClosed:
-            reason = "client_gone" if not self.daemon.stopping.is_set() else "shutdown"
+            reason = "client_gone" if not self.services.stopping.is_set() else "shutdown"
         except FrameError as e:
             self._refuse(ErrorCode.BAD_FRAME, f"{e}; connection closed")
             self.send(error_reply(None, ErrorCode.BAD_FRAME, str(e)))
@@ -186,7 +180,7 @@ class Connection:
             self._teardown(reason)
 
     def _teardown(self, reason: str) -> None:
-        if self.daemon.stopping.is_set():
+        if self.services.stopping.is_set():
             reason = "shutdown"
         log.debug("connection closed", extra=fields(
             pid=self.peer.pid, uid=self.peer.uid, reason=reason, kind="data" if self.attached else "control",
@@ -195,14 +189,14 @@ class Connection:
             self.attached[0].detach(self)
         for sess in list(self.sessions.values()):
             try:
-                self.daemon.manager.close(sess, reason)
+                self.services.manager.close(sess, reason)
             except Exception:
                 log.exception("teardown of session %s failed", sess.id)
         self.sessions.clear()
         self._dead = True
         with contextlib.suppress(OSError):
             self.sock.close()
-        self.daemon.forget(self)
+        self.services.forget(self)
 
     def _handle(self, frame: Frame) -> bool:
         """Dispatch one JSON request; False closes the connection."""
@@ -255,7 +249,7 @@ class Connection:
             self.send(error_reply(req_id, ErrorCode.INCOMPATIBLE_PROTOCOL, message))
             return False
         self.greeted = True
-        d = self.daemon
+        d = self.services
         # the client's version: this daemon speaks it (an older client never sends what it added since)
         self.send(ok_reply(req_id, protocol=proto, server=f"bladed/{__version__}", pid=os.getpid(),
                            lba_size=d.device.lba_size, staging_align=d.manager.staging_align,
@@ -276,13 +270,13 @@ class Connection:
         raise RequestError(ErrorCode.BAD_REQUEST, "hello was already exchanged on this connection")
 
     def _op_open_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        if self.daemon.stopping.is_set():
+        if self.services.stopping.is_set():
             raise RequestError(ErrorCode.SHUTTING_DOWN, "bladed is shutting down")
         if len(self.sessions) >= MAX_SESSIONS_PER_CONNECTION:
             raise RequestError(ErrorCode.BUSY, f"{MAX_SESSIONS_PER_CONNECTION} sessions are open on this "
                                                "connection; close one first")
         fds, frame.fds = frame.fds, []
-        sess = self.daemon.manager.open(self.peer, body, fds)
+        sess = self.services.manager.open(self.peer, body, fds)
         out = sess.open_reply()
         try:
             encode(ok_reply(body["id"], **out))
@@ -290,7 +284,7 @@ class Connection:
             # MAX_LAYERS is set so that this cannot happen; if it does, the client must not be left
             # with a session it cannot name
             log.error("open_session of pid %d: %s; closing session %s", self.peer.pid, e, sess.id)
-            self.daemon.manager.close(sess, "reply_too_large")
+            self.services.manager.close(sess, "reply_too_large")
             raise RequestError(ErrorCode.INTERNAL, oversize_message(e)) from None
         self.sessions[sess.id] = sess
         plan, budget = sess.plan, sess.budget
@@ -306,7 +300,7 @@ class Connection:
     def _op_close_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         sess = self._session(body)
         del self.sessions[sess.id]
-        self.daemon.manager.close(sess, "closed")
+        self.services.manager.close(sess, "closed")
         return {"session": sess.id}
 
     def _op_attach(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
@@ -317,7 +311,7 @@ class Connection:
         if self.sessions:
             raise RequestError(ErrorCode.BAD_REQUEST, "a connection with sessions of its own cannot attach; "
                                                       "open a new connection for each channel")
-        sess = self.daemon.manager.get(sid)
+        sess = self.services.manager.get(sid)
         # the same answer whether the session does not exist or is someone else's: no probing
         if sess is None or sess.peer.uid != self.peer.uid or not hmac.compare_digest(sess.attach_token, token):
             raise RequestError(ErrorCode.NO_SUCH_SESSION, f"no session {sid!r} with that attach token")
@@ -337,7 +331,7 @@ class Connection:
         """One range over JSON (simple clients and tools; copy threads use a data connection)."""
         sess = self._session(body)
         ch, rng = sess.json_range(op, body)
-        (r,) = sess.execute(ch, [rng], self.daemon.cfg.io.max_outstanding)
+        (r,) = sess.execute(ch, [rng], self.services.cfg.io.max_outstanding)
         if r.error is not None:
             raise RequestError(r.error, r.message)
         hit = None if r.hit_bytes is None or not r.nbytes else r.hit_bytes / r.nbytes
@@ -345,82 +339,53 @@ class Connection:
                 "started_ns": r.started_ns, "finished_ns": r.finished_ns}
 
     def _op_status(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        return self.daemon.status()
+        return self.services.status()
 
     def _op_sessions(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        admin = self.daemon.is_admin(self.peer)
-        live = self.daemon.manager.live_sessions()
+        admin = self.services.is_admin(self.peer)
+        live = self.services.manager.live_sessions()
         return {"sessions": [s.describe() for s in live if admin or s.peer.uid == self.peer.uid]}
 
     def _op_stats(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        out = self.daemon.stats.snapshot()
-        out.update(self.daemon.gauges())
+        out = self.services.stats.snapshot()
+        out.update(self.services.gauges())
         out["time"] = time.time()
         return out
 
     def _op_budget(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        return self.daemon.budget()
+        return self.services.budget()
 
     def _op_trim(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        if not self.daemon.is_admin(self.peer):
+        if not self.services.is_admin(self.peer):
             raise RequestError(ErrorCode.PERMISSION_DENIED, f"uid {self.peer.uid} may not trim "
                                                             "(root or access.admin_uids only)")
-        return self.daemon.trim_region()
+        return self.services.trim_region()
 
     def _op_retain(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         sess = self._session(body)
-        out = self.daemon.manager.retain(sess, body)
+        out = self.services.manager.retain(sess, body)
         if body.get("close") is True:
             del self.sessions[sess.id]
         return out | {"session": sess.id}
 
     def _op_prefixes(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
-        cache = self.daemon.manager.prefixes
-        return {"prefixes": cache.describe(self.peer, self.daemon.is_admin(self.peer)),
+        cache = self.services.manager.prefixes
+        return {"prefixes": cache.describe(self.peer, self.services.is_admin(self.peer)),
                 "scope": cache.scope_of(self.peer), "block_tokens": cache.block_tokens}
 
     def _op_evict_prefixes(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         entry = get_field(body, "entry", str, default=None)
-        evicted = self.daemon.manager.prefixes.evict_matching(self.peer, self.daemon.is_admin(self.peer), entry)
+        evicted = self.services.manager.prefixes.evict_matching(self.peer, self.services.is_admin(self.peer), entry)
         return {"evicted": evicted}
 
     # -- the data path ------------------------------------------------------------------
     def _serve_data(self, sess: Session, ch: int) -> str:
-        """Serve binary I/O requests for one channel until the peer or the session goes: the page-cache
-        lane serves what it can in C, the rest comes back here for :meth:`Session.execute`."""
-        limit = self.daemon.cfg.io.max_outstanding
-        lane = Lane(sess, sess.channel(ch), self.sock, limit)
-        send = lane.stream.send
+        """Serve binary I/O requests for one channel until the peer or the session goes (:meth:`Lane.serve`)."""
+        lane = Lane(sess, sess.channel(ch), self.sock, self.services.cfg.io.max_outstanding)
         try:
-            while True:
-                try:
-                    got = lane.next()
-                except ConnectionClosed:
-                    return "closed" if not sess.closing else "session_closed"
-                if isinstance(got, bytes):      # the lane ran it; a range failed
-                    send(got)
-                    continue
-                fmt, body = got
-                if fmt != IO_FORMAT:
-                    raise FrameError("a JSON frame on a data connection (only binary I/O frames after attach)")
-                self.requests += 1
-                req_id = 0
-                try:
-                    req_id, ranges = decode_io_request(body)
-                    data = encode_io_reply(req_id, sess.execute(ch, ranges, limit))
-                except RequestError as e:
-                    if not req_id and len(body) >= IO_REQUEST.size:
-                        req_id = IO_REQUEST.unpack_from(body)[0]     # a malformed request's id, for its refusal
-                    self._refuse(e.code, e.message)
-                    data = encode_io_refusal(req_id, e.code, e.message)
-                except Exception as e:
-                    log.exception("I/O request of pid %d on session %s channel %d failed", self.peer.pid, sess.id,
-                                  ch)
-                    data = encode_io_refusal(req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-                lane.refresh()          # a KPU file that request made: the lane serves it from now on
-                send(data)
+            return lane.serve(self._refuse, self.peer.pid)
         finally:
-            self.requests += lane.served
+            self.requests += lane.served + lane.general_requests
 
 
 __all__ = ["MAX_SESSIONS_PER_CONNECTION", "Connection", "refuse"]

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
+from bladed.io import Engine, StagingBuffer
 from bladed.protocol import ErrorCode, IOOp, RangeResult
-from bladed.residency.planner import KVPath
+from bladed.residency.planner import KPU, KVPath
+from bladed.server.storage.gates import KPUGates
 
 _DIRECT = KVPath.DIRECT
-
-if TYPE_CHECKING:
-    from bladed.io import Engine, StagingBuffer
-    from bladed.residency.planner import KPU
 
 
 class ChannelIO(Protocol):
@@ -51,10 +49,6 @@ class Access:
         return (f"<Access {self.op.name.lower()} {self.kpu.name} tokens {self.token_start}+{self.ntokens} "
                 f"slot {self.slot_offset} {self.result}>")
 
-    @property
-    def is_write(self) -> bool:
-        return self.write
-
     def fail(self, code: ErrorCode, message: str) -> None:
         self.result.error = code
         self.result.message = message
@@ -86,8 +80,9 @@ class KPUStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def describe(self) -> dict[str, object]:
-        """What the store holds, for ``sessions`` and the logs."""
+    def offer_gate(self, kpu: KPU, gates: KPUGates) -> bool:
+        """Open the lane's gate of ``kpu`` (one of this store's) if the lane may serve it now; True once no
+        more tries are needed (the gate opened, or this store's KPU can never be served by the lane)."""
 
 
 __all__ = ["Access", "ChannelIO", "KPUStore"]

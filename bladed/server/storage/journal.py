@@ -2,7 +2,7 @@
 
 ``journal.json`` lists what every open session holds on storage (its extents
 and its page-cache directory), and every retained prefix (its key, its
-extents and its page-cache directory; ``bladed.server.prefix``).  It is rewritten atomically (temp file,
+extents and its page-cache directory; ``bladed.server.prefixes.cache``).  It is rewritten atomically (temp file,
 fsync, rename, fsync of the directory) *before* a session is acknowledged and
 after it is torn down, so after a crash (SIGKILL, power loss) the next
 start-up knows exactly which extents to TRIM and which files to remove.
@@ -67,12 +67,12 @@ class RetainedRecord:
     scope: str
     model: str
     dtype: str
-    #: hex of the key's seed (``bladed.server.prefix.seed_of``: model, dtype and KV shape)
+    #: hex of the key's seed (``bladed.server.prefixes.keys.seed_of``: model, dtype and KV shape)
     seed: str
     #: the geometry fields of the entry (``max_tokens`` = the tokens it holds)
     geometry: dict[str, int]
     block_tokens: int
-    #: the block hash chain (``bladed.server.prefix.block_chain``)
+    #: the block hash chain (``bladed.server.prefixes.keys.block_chain``)
     hashes: list[str]
     #: the page-cache grant its plan was made with (Algorithm 1 with this grant gives its layout again)
     grant: int

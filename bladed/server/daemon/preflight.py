@@ -19,7 +19,7 @@ from bladed.config import Config
 from bladed.io import open_device
 from bladed.io.engines import EngineSettingError
 from bladed.io.engines import choose as choose_engine
-from bladed.server.state import LOCK
+from bladed.server.storage.journal import LOCK
 
 
 def _nearest_existing(path: str) -> str:

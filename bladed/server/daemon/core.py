@@ -1,10 +1,10 @@
 """The bladed daemon: the device, the region, the socket, the connections, signals and reporting.
 
 Threads: the main thread accepts connections and handles signals; each
-connection has a thread of its own (:mod:`bladed.server.connection`): a control
+connection has a thread of its own (:mod:`bladed.server.wire.connection`): a control
 connection serves JSON requests, a data connection the binary I/O of one
 channel of a session, each request on that thread.  The budget sampler and the
-demotion worker belong to the live re-planner (:mod:`bladed.server.replan`).
+demotion worker belong to the live re-planner (:mod:`bladed.server.sessions.replan`).
 
 Signals: SIGTERM/SIGINT drain the requests in progress, TRIM every extent,
 remove the page-cache files and exit 0; SIGHUP reloads what can be reloaded
@@ -30,15 +30,16 @@ from bladed.config import Config, ConfigError, format_size, group_id, load_confi
 from bladed.io import Engine, ExtentDevice
 from bladed.protocol import PROTOCOL_VERSION, ErrorCode, RequestError
 from bladed.residency.extents import ExtentAllocator
-from bladed.server.connection import Connection, refuse
+from bladed.server.daemon.exporter import Collector, MetricsServer
+from bladed.server.daemon.lifecycle import open_store_device, reclaim
+from bladed.server.daemon.preflight import check_paths
+from bladed.server.daemon.systemd import sd_notify, setup_logging
 from bladed.server.events import Peer, event
-from bladed.server.lifecycle import open_store_device, reclaim
-from bladed.server.metrics import Collector, MetricsServer, Stats
-from bladed.server.preflight import check_paths
-from bladed.server.session import SessionManager
-from bladed.server.state import Journal
-from bladed.server.stores.pagecache import sweep_pagecache
-from bladed.server.systemd import sd_notify, setup_logging
+from bladed.server.metrics import Stats
+from bladed.server.sessions.manager import SessionManager
+from bladed.server.storage.journal import Journal
+from bladed.server.storage.pagecache_store import sweep_pagecache
+from bladed.server.wire.connection import Connection, refuse
 
 log = logging.getLogger("bladed")
 
@@ -93,7 +94,7 @@ class Daemon:
                 os.makedirs(cfg.pagecache_dir, mode=0o750, exist_ok=True)
             kept = reclaim(cfg, self.device, self.allocator, self.journal, self.stats)
             self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats)
-            # retained prefixes of the last run: served only if every checksum verifies (bladed.server.prefix)
+            # retained prefixes of the last run: served only if every checksum verifies (bladed.server.prefixes.cache)
             self.manager.prefixes.restore(kept)
             with _naming("socket.path", cfg.socket_path):
                 self._listen()
@@ -108,7 +109,7 @@ class Daemon:
             self.journal.release()
             raise
         self._sample_budget()
-        # keep re-sampling B_pc and demote live sessions' KPUs when it shrinks (bladed.server.replan)
+        # keep re-sampling B_pc and demote live sessions' KPUs when it shrinks (bladed.server.sessions.replan)
         self.manager.replanner.start()
         desc = self.device.describe()
         engine = self.device.engine_choice

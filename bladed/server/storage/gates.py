@@ -1,6 +1,6 @@
 """Which KPUs of a session the lane may serve: one C gate per tensor id (``bd_kpu_gate``).
 
-The lane (``bladed.server.lane``) serves a request in C only if every KPU it
+The lane (``bladed.server.wire.lane``) serves a request in C only if every KPU it
 addresses has an open gate; it counts itself in on each gate for the time of
 the copy or the transfer.  A gate opens on a plain page-cache KPU's file once
 the file exists, or on a direct KPU's first LBA once the KPU is bound on the

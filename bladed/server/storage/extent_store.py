@@ -43,7 +43,8 @@ from bladed.io.pagecache import PageCacheFile
 from bladed.protocol import ErrorCode
 from bladed.residency.extents import Extent, ExtentMap
 from bladed.residency.planner import KPU, KVPath, Plan
-from bladed.server.stores.base import Access, ChannelIO, KPUStore
+from bladed.server.storage.base import Access, ChannelIO, KPUStore
+from bladed.server.storage.gates import KPUGates
 from bladed.sizes import PAGE_SIZE, align_up, ceil_div
 
 #: bounce buffer for ranges whose slot offset is not aligned like their KPU offset, and for demotion copies
@@ -102,13 +103,14 @@ class ExtentKPUStore(KPUStore):
     def holds(self, tensor_id: int) -> bool:
         return tensor_id in self._kpus
 
-    @property
-    def kpu_count(self) -> int:
-        return len(self._kpus)
-
-    def fill(self, tensor_id: int) -> int:
-        """Bytes of the KPU written so far (the highest end)."""
-        return self._tails[tensor_id].fill
+    def offer_gate(self, kpu: KPU, gates: KPUGates) -> bool:
+        """A direct KPU may be served by the lane if its token rows are whole LBAs (packed rows never: their
+        edges are this store's), once it is bound and used on the extent; the gate holds its first LBA."""
+        t = kpu.tensor_id
+        if not self.map.plan.aligned:
+            return True
+        return self.holds(t) and self.map.is_materialized(t) and gates.open_direct(t, self.map.lookup(t)[0],
+                                                                                   kpu.nbytes)
 
     # -- per-channel buffers ----------------------------------------------------------
     def prepare(self) -> None:
@@ -181,7 +183,7 @@ class ExtentKPUStore(KPUStore):
             assert scratch is not None
             sv = scratch.view()
             for e in edges:
-                if not a.is_write:
+                if not a.write:
                     if e.block == tail.block:
                         sv[e.scratch:e.scratch + L] = tail.data
                         e.from_tail = True
@@ -210,8 +212,8 @@ class ExtentKPUStore(KPUStore):
         for i, (a, base, edges) in enumerate(plans):
             if i in failed:
                 continue
-            op = Op.WRITE if a.is_write else Op.READ
-            if scratch is not None and a.is_write:
+            op = Op.WRITE if a.write else Op.READ
+            if scratch is not None and a.write:
                 sv = scratch.view()
                 for e in edges:
                     src = a.slot_offset + (e.block * L + e.lo - a.offset)
@@ -237,12 +239,12 @@ class ExtentKPUStore(KPUStore):
         for i, (a, _base, edges) in enumerate(plans):
             tail = self._tails[a.kpu.tensor_id]
             if i in failed:
-                if a.is_write:
+                if a.write:
                     tail.forget()   # what the edge LBAs hold is unknown now: read them back next time
                     tail.fill = max(tail.fill, a.offset + a.nbytes)
                 a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {failed[i]}")
                 continue
-            if a.is_write:
+            if a.write:
                 self._after_write(tail, a, edges, scratch)
             elif edges:
                 assert scratch is not None
@@ -304,7 +306,7 @@ class ExtentKPUStore(KPUStore):
                 k = min(per, ceil_div(o1 - b * L, L))              # whole LBAs [b, b + k) in this piece
                 lo, hi = max(o0, b * L), min(o1, (b + k) * L)      # the access's KPU bytes among them
                 rel, src = lo - b * L, a.slot_offset + lo - o0
-                if not a.is_write:
+                if not a.write:
                     eng.read(base + b, bounce, nbytes=k * L)
                     slot.view(src, hi - lo)[:] = bv[rel:rel + hi - lo]
                 else:
@@ -325,7 +327,7 @@ class ExtentKPUStore(KPUStore):
                             tail.block, tail.data = last, bytearray(bv[(last - b) * L:(last - b + 1) * L])
                 b += k
         except BladedIOError as e:
-            if a.is_write:
+            if a.write:
                 tail.forget()
                 tail.fill = max(tail.fill, o1)
             a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {e}")
@@ -408,13 +410,6 @@ class ExtentKPUStore(KPUStore):
             for tail in self._tails.values():
                 tail.fill = max(tail.fill, nbytes)
                 tail.forget()
-
-    def describe(self) -> dict[str, object]:
-        ext = self.map.extent
-        return {"kpus": len(self._kpus), "extent": None if ext is None else {"start": ext.start,
-                                                                               "nblocks": ext.nblocks},
-                "bytes": sum(k.padded_bytes for k in self._kpus.values()),
-                "tail_hits": self.tail_hits, "rmw_reads": self.rmw_reads}
 
     def close(self) -> Extent | None:
         """Free the buffers; return the extent for the caller to scrub and free."""

@@ -1,0 +1,219 @@
+"""The Prometheus exporter (prometheus-client): :class:`Collector` turns :class:`Stats` and the daemon's
+gauges into metric families at scrape time; :class:`MetricsServer` serves them on a TCP address or a Unix
+socket (docs/operations.md, "Metrics")."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
+
+from bladed import __version__
+from bladed.protocol import PROTOCOL_VERSION
+from bladed.server.metrics import LABELLED, LATENCY_BUCKETS, OPS, PATHS, Stats
+
+#: the unlabelled counters of :class:`Stats`: (stat, help)
+_COUNTERS = (
+    ("pagecache_read_bytes", "Bytes read on the page-cache path (the hit ratio's denominator)"),
+    ("pagecache_hit_bytes", "Page-cache read bytes that were resident (the hit ratio's numerator)"),
+    ("trimmed_bytes", "Bytes deallocated (TRIM) on teardown, reclaim and trim"),
+    ("zeroed_bytes", "Bytes Write-Zeroed on teardown and reclaim (no zeroes after TRIM)"),
+    ("quarantined_bytes", "Bytes kept out of use: could be neither deallocated to zeroes nor zeroed"),
+    ("region_scrubbed_bytes", "Bytes scrubbed at start-up for want of a usable journal"),
+    ("integrity_errors", "Reads whose crc32c did not match what was written"),
+    ("sessions_opened", "Sessions opened"),
+    ("sessions_reclaimed", "Sessions of a crashed instance reclaimed at start-up"),
+    ("prefix_hits", "Sessions opened with a prefix key that found a retained prefix"),
+    ("prefix_misses", "Sessions opened with a prefix key that found none"),
+    ("prefix_reused_tokens", "Tokens of KV copied from retained prefixes into new sessions (prefill skipped)"),
+    ("prefix_retained", "Prefixes retained"),
+    ("prefix_shared_hits", "Sessions that found their prefix on the shared tier (Redis)"),
+    ("prefix_shared_published", "Retained prefix blocks published to the shared tier"),
+    ("prefix_shared_rejected", "Shared-tier blocks refused: corrupt, truncated, or not signed for their key "
+                               "and position (swapped, copied, forged, old secret): misses"),
+    ("prefix_shared_errors", "Shared-tier calls that failed or timed out: misses"),
+)
+#: the LABELLED counters: stat -> (metric, help)
+_LABELLED_COUNTERS = {
+    "sessions_closed": ("bladed_sessions_closed", "Sessions closed, by why"),
+    "connections_refused": ("bladed_connections_refused", "Connections refused before their hello, by why"),
+    "bad_requests": ("bladed_requests_refused", "Requests answered with an error the client caused, by its code"),
+    "prefix_evictions": ("bladed_prefix_evictions", "Retained prefixes evicted, by why"),
+}
+#: Eq. 1-2 and the ledger, one gauge each: (metric, key of Daemon.gauges()["budget"], help with the paper's symbol)
+_BUDGET_GAUGES = (
+    ("bladed_pagecache_budget_bytes", "pagecache_budget_bytes",
+     "B_pc (Eq. 2): the page-cache budget, after budget.override / budget.cap"),
+    ("bladed_pagecache_budget_computed_bytes", "pagecache_budget_computed_bytes",
+     "B_pc as Eq. 2 computes it, before budget.override / budget.cap"),
+    ("bladed_pagecache_held_bytes", "held_bytes", "Page-cache bytes live sessions' plans hold (Group 1), out of B_pc"),
+    ("bladed_memory_usable_bytes", "usable_bytes", "M* (Eq. 1) = min(M_avail, M_max - M_anon+shmem)"),
+    ("bladed_memory_available_bytes", "host_available_bytes", "M_avail (Eq. 1): the host's MemAvailable"),
+    ("bladed_memory_limit_bytes", "memory_limit_bytes",
+     "M_max (Eq. 1): the memory cgroup's limit (smallest over its ancestors), or MemTotal if it has none"),
+    ("bladed_memory_anon_shmem_bytes", "anon_shmem_bytes",
+     "M_anon+shmem (Eq. 1): anonymous and shared memory charged to the memory cgroup"),
+    ("bladed_memory_file_bytes", "file_bytes", "Page cache charged to the memory cgroup now (shmem excluded)"),
+    ("bladed_memory_total_bytes", "host_total_bytes", "The host's MemTotal"),
+    ("bladed_staging_pinned_bytes", "pinned_bytes", "M_pin,others (Eq. 2): staging memory of the open sessions"),
+)
+#: live re-planning counters: (metric, key of LiveReplanner.to_dict(), help)
+_REPLAN_COUNTERS = (
+    ("bladed_replans", "replans", "Budget shrinks that re-planned a live session"),
+    ("bladed_demoted_kpus", "demoted_kpus", "KPUs moved live from the page-cache path to the NVMe-direct path"),
+    ("bladed_demoted_bytes", "demoted_bytes", "Bytes of those KPUs"),
+    ("bladed_demotions_failed", "demotions_failed",
+     "Demotions refused (no space, memory or I/O error; the KPU stays where it was)"),
+    ("bladed_extents_moved", "extents_moved",
+     "Session extents moved to a larger run because a demotion could not grow them in place"),
+    ("bladed_extent_moved_bytes", "moved_bytes", "Bytes copied by those moves"),
+)
+
+#: retained prefixes now: (metric, key of PrefixCache.gauges(), help)
+_PREFIX_GAUGES = (
+    ("bladed_prefix_entries", "entries", "Retained prefixes"),
+    ("bladed_prefix_retained_tokens", "tokens", "Tokens of KV the retained prefixes hold"),
+    ("bladed_prefix_retained_pagecache_bytes", "pagecache_bytes", "Page-cache bytes the retained prefixes hold"),
+    ("bladed_prefix_retained_device_bytes", "device_bytes", "Device bytes the retained prefixes hold"),
+)
+
+class Collector:
+    """Prometheus view of the daemon (docs/operations.md, "Metrics"): counters from :class:`Stats`,
+    and ``gauges()`` for the live values (sessions, extents, budget terms)."""
+
+    def __init__(self, stats: Stats, gauges: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily("bladed_build_info", "The running bladed: its version and the newest protocol "
+                                  "it speaks (value 1)", labels=["version", "protocol"])
+        build.add_metric([__version__, str(PROTOCOL_VERSION)], 1)
+        yield build
+        snap = self.stats.snapshot()
+        by = CounterMetricFamily("bladed_io_bytes", "Bytes moved by completed requests", labels=["path", "op"])
+        ops = CounterMetricFamily("bladed_io_ops", "Completed requests", labels=["path", "op"])
+        errs = CounterMetricFamily("bladed_io_errors", "Failed requests", labels=["path", "op"])
+        for p in PATHS:
+            for o in OPS:
+                d = snap["io"][p][o]
+                by.add_metric([p, o], d["bytes"])
+                ops.add_metric([p, o], d["ops"])
+                errs.add_metric([p, o], d["errors"])
+        yield by
+        yield ops
+        yield errs
+        hist = HistogramMetricFamily("bladed_io_latency_seconds", "Service time of one request (daemon side)",
+                                     labels=["path", "op"])
+        for (p, o), (buckets, total) in self.stats.histograms().items():
+            cum, acc = [], 0
+            for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), buckets, strict=True):
+                acc += n
+                cum.append((bound, acc))
+            hist.add_metric([p, o], cum, total)
+        yield hist
+        # no hit-ratio gauge: a ratio since start says nothing about now; rate() of these two does
+        pc = snap["pagecache"]
+        flat = snap | {"pagecache_read_bytes": pc["read_bytes"], "pagecache_hit_bytes": pc["hit_bytes"]}
+        for name, doc in _COUNTERS:
+            yield CounterMetricFamily(f"bladed_{name}", doc, value=flat[name])
+        for name, (metric, doc) in _LABELLED_COUNTERS.items():
+            fam = CounterMetricFamily(metric, doc, labels=[LABELLED[name]])
+            for label, n in sorted(snap[f"{name}_by_{LABELLED[name]}"].items()):
+                fam.add_metric([label], n)
+            yield fam
+
+        live = self.gauges()
+        engine = GaugeMetricFamily("bladed_io_engine_info", "The engine that moves the store's bytes (value 1): "
+                                   "uring, or portable (threads; no io_uring here)", labels=["engine"])
+        engine.add_metric([live["engine"]], 1)
+        yield engine
+        yield GaugeMetricFamily("bladed_sessions", "Open sessions", value=live["sessions"])
+        yield GaugeMetricFamily("bladed_connections", "Open client connections (control and data)",
+                                value=live["connections"])
+        lba = live["lba_size"]
+        ext = live["extents"]
+        yield GaugeMetricFamily("bladed_lba_size_bytes", "LBA size of the KV region", value=lba)
+        yield GaugeMetricFamily("bladed_region_size_bytes", "Size of the KV region", value=ext["region_blocks"] * lba)
+        yield GaugeMetricFamily("bladed_extent_used_bytes", "Bytes of the KV region held by sessions' extents "
+                                "(or quarantined)", value=ext["used_blocks"] * lba)
+        yield GaugeMetricFamily("bladed_extent_free_bytes", "Free bytes of the KV region",
+                                value=ext["free_blocks"] * lba)
+        yield GaugeMetricFamily("bladed_extent_largest_free_bytes", "The largest free extent of the KV region "
+                                "(the largest direct-path footprint a new session can get)",
+                                value=ext["largest_free"] * lba)
+        budget = live["budget"]
+        for metric, key, doc in _BUDGET_GAUGES:
+            value = budget.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                yield GaugeMetricFamily(metric, doc, value=value)
+        prefixes = live.get("prefixes", {})
+        for metric, key, doc in _PREFIX_GAUGES:
+            yield GaugeMetricFamily(metric, doc, value=prefixes.get(key, 0))
+        replan = live.get("replan", {})
+        for metric, key, doc in _REPLAN_COUNTERS:
+            yield CounterMetricFamily(metric, doc, value=replan.get(key, 0))
+        samples = CounterMetricFamily("bladed_budget_samples", "Samples of Eq. 1-2 taken by live re-planning, by "
+                                      "what triggered them", labels=["reason"])
+        for reason in ("periodic", "pressure"):
+            samples.add_metric([reason], replan.get("budget_samples", {}).get(reason, 0))
+        yield samples
+        yield CounterMetricFamily("bladed_pagecache_budget_changes", "Moves of B_pc past the hysteresis that live "
+                                  "re-planning applied", value=replan.get("budget_samples", {}).get("changes", 0))
+
+
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, _ = super().get_request()
+        # http.server wants a (host, port) client address for its log lines
+        return sock, ("unix", 0)
+
+
+class _HTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+
+class MetricsServer:
+    """Prometheus exposition on ``("tcp", (host, port))`` or ``("unix", path)``."""
+
+    def __init__(self, target: tuple[str, Any], collector: Collector, socket_mode: int = 0o660) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        # process_* (CPU, memory, descriptors, start time) and python_info, as every Python exporter has
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        handler: Any = MetricsHandler.factory(self.registry)
+        handler.log_message = lambda *a, **k: None
+        kind, where = target
+        self.server: socketserver.BaseServer
+        if kind == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(where)
+            self.server = _UnixHTTPServer(where, handler)
+            os.chmod(where, socket_mode)
+            self.address = f"unix:{where}"
+        else:
+            self.server = _HTTPServer(where, handler)
+            host, port = self.server.server_address[:2]
+            self.address = f"{host!s}:{port}"
+        self._path = where if kind == "unix" else None
+        self._thread = threading.Thread(target=self.server.serve_forever, name="bladed-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        if self._path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)

@@ -1,0 +1,231 @@
+"""Live re-planning: demote whole KPUs of live sessions when ``B_pc`` shrinks.
+
+The paper plans once, at start (§IV-A).  The daemon keeps re-sampling Eq. 1-2
+for its own cgroup (:meth:`Budgeter.start`: every ``budget.interval_s`` and on
+memory pressure; at once after a SIGHUP that changes ``budget.*``).  When the
+budget falls below what live sessions hold, :meth:`BudgetLedger.shrink` gives
+new grants and :func:`replan` names the KPUs to demote.  They are recorded as
+*pending* on the session and carried out one KPU at a time at an operation
+boundary of that KPU, holding a channel of the session: before the next
+request that addresses it, or by the daemon's demotion worker right away,
+whichever comes first.  A demotion waits for the requests in flight on its KPU
+and holds back new ones until it is done.
+
+``dualblade``: the extent store binds the KPU after the last bound tensor of
+the extent (Eq. 3-6 still hold; the extent is allocated, grown in place or
+moved to a larger run if needed: ``SessionManager.room``),
+maps the channels' edge scratch it needs, and copies the KPU's filled bytes
+from its page-cache file a bounded chunk at a time (the packed layout makes
+the file's bytes the extent's bytes); then the file is dropped and unlinked.
+If any step fails the move is refused: the KPU stays on the page-cache path
+with its bytes, ``demotions_failed`` counts it, and a later re-plan tries
+again.  Nothing is ever promoted back (growth goes to new sessions).
+``cachepolicy``: switch the KPU to drop-after-use and drop its pages now.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from bladed.config import Config
+from bladed.io import BladedIOError
+from bladed.logfmt import fields
+from bladed.protocol import RequestError
+from bladed.residency.budget import BudgetBreakdown, Budgeter
+from bladed.residency.extents import Extent, RegionFullError
+from bladed.residency.geometry import Geometry
+from bladed.residency.planner import KPU, BudgetLedger, Mode, Plan
+from bladed.server.events import event
+from bladed.server.sessions.live import LiveState, with_kpu
+from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
+from bladed.server.storage.channel import Channel
+
+log = logging.getLogger("bladed.replan")
+
+
+class ReplanSession(Protocol):
+    """What the re-planner uses of a session (``sessions.session.Session``)."""
+
+    id: str
+    plan: Plan
+    geometry: Geometry
+    live: LiveState
+    closing: bool
+    channels: list[Channel]
+
+    def stores(self) -> tuple[PageCacheKPUStore, ExtentKPUStore]: ...
+
+
+class ReplanHost(Protocol):
+    """What the re-planner uses of the session manager (``sessions.manager.SessionManager``)."""
+
+    cfg: Config
+    ledger: BudgetLedger
+
+    def get(self, sid: str) -> ReplanSession | None: ...
+
+    def daemon_budgeter(self) -> Budgeter: ...
+
+    def staging_bytes(self) -> int: ...
+
+
+class LiveReplanner:
+    """Runs the daemon's Budgeter and turns budget shrinks into live demotions."""
+
+    def __init__(self, manager: ReplanHost) -> None:
+        self.manager = manager
+        self._budgeter: Budgeter | None = None
+        self._lock = threading.Lock()
+        self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0,
+                      "extents_moved": 0, "moved_bytes": 0}
+        self._work: queue.Queue[tuple[ReplanSession, int] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        #: Budgeter.stats of the budgeters a reload replaced (so the samples counters never go back)
+        self._past_samples: dict[str, int] = {}
+
+    # -- the re-sampling thread -------------------------------------------------------------
+    def start(self) -> None:
+        """Start re-sampling (no-op unless ``budget.live_replan``); applies the first sample."""
+        cfg = self.manager.cfg.budget
+        if not cfg.live_replan:
+            return
+        try:
+            b = self.manager.daemon_budgeter()
+            b.start(cfg.interval_s, self._on_change)
+        except (OSError, ValueError) as e:
+            log.warning("live re-planning disabled: cannot start budget sampling: %s", e)
+            return
+        self._budgeter = b
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._demote_eagerly, name="bladed-demote", daemon=True)
+            self._worker.start()
+        if b.last is not None:
+            self.apply(b.last)
+
+    def stop(self) -> None:
+        b, self._budgeter = self._budgeter, None
+        if b is not None:
+            b.stop()
+            with self._lock:
+                self._past_samples = self._samples(b)
+        w, self._worker = self._worker, None
+        if w is not None:
+            self._work.put(None)
+            w.join()
+
+    def _demote_eagerly(self) -> None:
+        """Carry out pending demotions of idle sessions (a request on the KPU may do it first)."""
+        while (item := self._work.get()) is not None:
+            sess, tid = item
+            ch = sess.channels[tid % len(sess.channels)]
+            with ch.lock:
+                if not sess.closing:
+                    sess.live.run_pending(tid, ch)
+
+    def restart(self) -> None:
+        """After a reload of ``budget.*``: new override/cap/cgroup, and apply at once."""
+        self.stop()
+        self.start()
+
+    def _on_change(self, b: BudgetBreakdown) -> None:
+        budgeter = self._budgeter
+        pinned = self.manager.staging_bytes()     # M_pin,others: the sessions opened or closed since
+        if budgeter is not None and budgeter.pinned_elsewhere_bytes != pinned:
+            budgeter.pinned_elsewhere_bytes = pinned
+            try:
+                b = budgeter.sample(b.reason)
+            except OSError as e:
+                log.warning("budget re-sample failed: %s", e)
+        self.apply(b)
+
+    # -- shrink -> replan -> pending demotions ------------------------------------------------
+    def apply(self, b: BudgetBreakdown) -> None:
+        """``ledger.shrink(B_pc)``, then record each affected session's demotions."""
+        with self._lock:
+            grants = self.manager.ledger.shrink(b.pagecache_budget_bytes)
+            scheduled = 0
+            log.debug("budget applied to live sessions", extra=fields(
+                pagecache_budget_bytes=b.pagecache_budget_bytes, reason=b.reason,
+                held_bytes=self.manager.ledger.held_bytes,
+                grants=",".join(f"{sid}:{g}" for sid, g in grants.items()) or "none"))
+            for sid, grant in grants.items():
+                sess = self.manager.get(str(sid))
+                if sess is None or sess.closing:
+                    continue
+                demoted = sess.live.schedule(grant)
+                if not demoted:
+                    continue
+                self.stats["replans"] += 1
+                event("replan", session=sess.id, mode=sess.plan.mode.value,
+                      pagecache_budget_bytes=b.pagecache_budget_bytes, grant=grant,
+                      reason=b.reason, demoted=",".join(k.name for k in demoted))
+                # eager: the demotion worker moves an idle session's KPUs too
+                for k in demoted:
+                    self._work.put((sess, k.tensor_id))
+                scheduled += len(demoted)
+            # every demotion of this change is pending from here on (what waits on a budget change wait for)
+            event("budget_applied", pagecache_budget_bytes=b.pagecache_budget_bytes, reason=b.reason,
+                  held_bytes=self.manager.ledger.held_bytes, demotions=scheduled)
+
+    # -- carrying one out ----------------------------------------------------------------------
+    def carry_out(self, sess: ReplanSession, kpu: KPU, channel: Channel, room: Callable[[int], Extent]) -> None:
+        """Demote one KPU holding ``channel`` (no request on it is in flight); on failure it stays where it is.
+
+        ``room(need)`` gives the session's extent room for ``need`` more blocks (``SessionManager.room``)."""
+        live = sess.live
+        target = live.target or sess.plan
+        nbytes = 0
+        tid = kpu.tensor_id
+        try:
+            pagecache, extent_store = sess.stores()
+            if sess.plan.mode is Mode.DUALBLADE:
+                filled = live.filled_to(tid) * sess.geometry.token_bytes
+                nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel, room)
+                # its bytes are on the extent now: the file is truncated (pages dropped unwritten) and removed
+                pagecache.detach(tid).close(unlink=True)
+            else:
+                # CachePolicy-Only (Table III): the KPU stays on the page-cache path, dropped after use
+                pagecache.drop(tid)
+        except (OSError, BladedIOError, RegionFullError, ValueError, MemoryError, RequestError) as e:
+            live.gave_up(kpu)
+            with self._lock:
+                self.stats["demotions_failed"] += 1
+            log.warning("session %s: cannot demote %s (%s); it stays on the page-cache path, over budget",
+                        sess.id, kpu.name, e)
+            event("kpu_demotion_failed", session=sess.id, kpu=kpu.name, error=str(e))
+            return
+        sess.plan = with_kpu(sess.plan, kpu, target)
+        self.manager.ledger.admit(sess.id, sess.plan)
+        live.done(kpu, nbytes)
+        with self._lock:
+            self.stats["demoted_kpus"] += 1
+            self.stats["demoted_bytes"] += nbytes
+        event("kpu_demoted", session=sess.id, kpu=kpu.name, path=kpu.path.value, bytes=nbytes,
+              group1_bytes=sess.plan.group1_bytes)
+
+    def moved(self, nbytes: int) -> None:
+        """A session's extent moved to make room for a demotion, copying ``nbytes``."""
+        with self._lock:
+            self.stats["extents_moved"] += 1
+            self.stats["moved_bytes"] += nbytes
+
+    def _samples(self, b: Budgeter | None) -> dict[str, int]:
+        """Samples (periodic, pressure) and applied changes of B_pc since the daemon started."""
+        now = dict(b.stats) if b is not None else {}
+        return {k: self._past_samples.get(k, 0) + now.get(k, 0) for k in self._past_samples.keys() | now.keys()}
+
+    def to_dict(self) -> dict[str, Any]:
+        b = self._budgeter
+        with self._lock:
+            out: dict[str, Any] = dict(self.stats)
+            out["budget_samples"] = self._samples(b)
+        out["running"] = b is not None
+        out["sources"] = list(b.sources) if b is not None else []
+        return out
+
+
+__all__ = ["LiveReplanner", "LiveState"]
