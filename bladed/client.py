@@ -14,9 +14,11 @@ With a CUDA-capable torch already imported the mapping is pinned with
 ``cudaHostRegister``; on CPU it stays ordinary shared memory.
 
 Every request is asynchronous underneath (replies are matched by id), so
-copy threads on different channels overlap (overlap-intra, §IV-C).  Futures
-complete on the client's reader thread: done-callbacks run there and must
-not wait for another bladed reply (hand such work to another thread).
+copy threads on different channels overlap (overlap-intra, §IV-C).  A
+session's I/O futures complete on their channel's pump thread
+(``bladed-chN-pump``), control futures (``call_async``) on the client's
+reader thread: done-callbacks run there and must not wait for another bladed
+reply (hand such work to another thread).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bladed.protocol import (
     BadBody,
     BadRequestError,
     BladedError,
+    BusyError,
     ConnectionClosed,
     DaemonLostError,
     FrameError,
@@ -77,6 +80,7 @@ _OP_NAMES = {IOOp.WRITE: "write", IOOp.READ: "read"}
 __all__ = [
     "BadRequestError",
     "BladedError",
+    "BusyError",
     "Client",
     "DaemonLostError",
     "IncompatibleProtocolError",
@@ -540,8 +544,8 @@ class Session:
     def retain(self, tokens: Sequence[int], prefix: PrefixKey | None = None, *, close: bool = False) -> dict[str, Any]:
         """Keep the KV of the first whole token blocks of ``tokens`` (the token ids whose KV this session wrote, from
         token 0) as a retained prefix, under the model and dtype of ``prefix`` or of the key the session was
-        opened with.  Returns ``{"entry", "tokens", "new"}``.  With ``close`` the session ends with it (and the
-        entry may take the session's page-cache budget); a retain that fails leaves the session open."""
+        opened with.  Returns ``{"session", "entry", "tokens", "new"}``.  With ``close`` the session ends with it
+        (and the entry may take the session's page-cache budget); a retain that fails leaves the session open."""
         fields: dict[str, Any] = {"session": self.id, "tokens": [int(t) for t in tokens], "close": close}
         if prefix is not None:
             fields["prefix"] = {"model": prefix.model, "dtype": prefix.dtype}

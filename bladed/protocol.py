@@ -22,7 +22,9 @@ token ranges (a batch), one reply answers each of them (:class:`IORange`,
 :class:`RangeResult`), and the daemon serves them on that connection's own
 thread, with no queue between.
 
-Shared by the server and the client; imports nothing from either.
+Shared by the server and the client; imports nothing from either.  The binary layouts and codes (the
+WIRE-LAYOUT section below) are the only definition of those bytes: the C extensions are compiled from them.
+The frames go through ``bladed._wire``, which needs no liburing, so a client process never loads it.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import json
 import os
 import socket
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
-from bladed._uring import ffi, lib
+from bladed._wire import ffi, lib
 
 #: version of the request/reply vocabulary; bumped on any incompatible change
 #: (2: data connections with binary batched I/O frames, ``attach``; 3: descriptive reply field names
@@ -48,12 +51,6 @@ from bladed._uring import ffi, lib
 PROTOCOL_VERSION = 4
 #: oldest client protocol this build still serves
 MIN_PROTOCOL_VERSION = 4
-#: frame formats: the body is JSON, or a binary I/O request/reply (data connections)
-JSON_FORMAT = 1
-IO_FORMAT = 2
-FRAME_FORMAT = JSON_FORMAT
-MAGIC = b"BD"
-HEADER = struct.Struct("<2sBBI")
 #: largest body accepted in either direction; larger frames close the connection
 MAX_FRAME_BYTES = 1 << 20
 #: most descriptors accepted with one frame
@@ -61,6 +58,79 @@ MAX_FDS = 4
 #: integers on the wire are 64-bit signed, so that every client language can hold them
 INT_MIN = -(1 << 63)
 INT_MAX = (1 << 63) - 1
+
+
+# -- the binary layouts and codes: WIRE-LAYOUT-BEGIN ---------------------------------------------------------
+# The one definition of the wire's bytes for both sides.  At build time cffi_build/wire_layout.py runs this
+# section by itself (so it may use only ``struct``, ``enum`` and ``zlib``, and nothing defined outside it) and
+# writes it as the C header the extensions are compiled with: each *_FIELDS record as a packed
+# ``struct bd_<name>``, each WIRE_CODES entry as ``BD_<NAME>``.  Edit here, then rebuild (pip install -e .).
+WireField = tuple[str, str]  # (name, struct code); "" names padding
+
+
+def _record(fields: tuple[WireField, ...]) -> struct.Struct:
+    """The little-endian struct of ``fields``, packed (no alignment): the C side declares it packed too."""
+    return struct.Struct("<" + "".join(code for _, code in fields))
+
+
+MAGIC = b"BD"
+#: frame formats: the body is JSON, or a binary I/O request/reply (data connections)
+JSON_FORMAT = 1
+IO_FORMAT = 2
+HEADER_FIELDS: tuple[WireField, ...] = (("magic", "2s"), ("format", "B"), ("flags", "B"), ("length", "I"))
+HEADER = _record(HEADER_FIELDS)
+
+
+class IOOp(enum.IntEnum):
+    """What one range of an I/O request does."""
+
+    WRITE = 1    # slot -> store
+    READ = 2     # store -> slot
+
+
+#: ``slot_offset`` for "where the KPU has it": ``token_start * token_bytes`` (the slot mirrors one KPU)
+MIRROR = (1 << 64) - 1
+#: request body: request id, number of ranges, flags (0)
+IO_REQUEST_FIELDS: tuple[WireField, ...] = (("request_id", "Q"), ("nranges", "H"), ("flags", "H"))
+IO_REQUEST = _record(IO_REQUEST_FIELDS)
+#: one range: op, tensor id, first token, tokens, byte offset in the channel's staging slot (IORange's fields)
+IO_RANGE_FIELDS: tuple[WireField, ...] = (("op", "B"), ("", "3x"), ("tensor_id", "I"), ("token_start", "I"),
+                                          ("ntokens", "I"), ("slot_offset", "Q"))
+IO_RANGE = _record(IO_RANGE_FIELDS)
+#: reply body: request id, status (SERVED: see each result; else 1 + error index: refused whole), results
+IO_REPLY_FIELDS: tuple[WireField, ...] = (("request_id", "Q"), ("status", "B"), ("", "x"), ("nresults", "H"))
+IO_REPLY = _record(IO_REPLY_FIELDS)
+#: one range's result: status (SERVED, else 1 + error index), path (PATH_CODES), bytes, service ns, resident
+#: bytes of a page-cache read (``NO_HIT`` otherwise), started/finished ns
+IO_RESULT_FIELDS: tuple[WireField, ...] = (("status", "B"), ("path", "B"), ("", "6x"), ("nbytes", "Q"),
+                                           ("service_ns", "Q"), ("hit_bytes", "Q"), ("started_ns", "Q"),
+                                           ("finished_ns", "Q"))
+IO_RESULT = _record(IO_RESULT_FIELDS)
+#: the status of a served request and of a range that succeeded
+SERVED = 0
+#: ``hit_bytes`` of a range that is not a page-cache read
+NO_HIT = (1 << 64) - 1
+#: a result's ``path``
+PATH_CODES = {None: 0, "pagecache": 1, "direct": 2}
+
+#: what the C side is compiled with
+WIRE_RECORDS: dict[str, tuple[WireField, ...]] = {
+    "frame_header": HEADER_FIELDS, "io_request": IO_REQUEST_FIELDS, "io_range": IO_RANGE_FIELDS,
+    "io_reply": IO_REPLY_FIELDS, "io_result": IO_RESULT_FIELDS}
+WIRE_CODES: dict[str, int] = {
+    "MAGIC_LE16": int.from_bytes(MAGIC, "little"), "JSON_FORMAT": JSON_FORMAT, "IO_FORMAT": IO_FORMAT,
+    "WIRE_OP_WRITE": IOOp.WRITE.value, "WIRE_OP_READ": IOOp.READ.value, "MIRROR": MIRROR, "STATUS_SERVED": SERVED,
+    "NO_HIT": NO_HIT, **{f"WIRE_PATH_{(name or 'none').upper()}": code for name, code in PATH_CODES.items()}}
+#: a digest of the layout: the extension carries the one it was built from (``BD_WIRE_LAYOUT_ID``)
+WIRE_LAYOUT_ID = zlib.crc32(repr((MAGIC, sorted(WIRE_RECORDS.items()), sorted(WIRE_CODES.items()))).encode())
+# WIRE-LAYOUT-END ------------------------------------------------------------------------------------------
+
+if lib.BD_WIRE_LAYOUT_ID != WIRE_LAYOUT_ID:   # an editable install whose C was not rebuilt after an edit above
+    raise ImportError("bladed._wire was built from another wire layout than bladed/protocol.py's; rebuild the "
+                      "extensions (pip install -e .)")
+
+#: the format of the frames ``encode`` makes
+FRAME_FORMAT = JSON_FORMAT
 
 #: the JSON requests (docs/protocol.md has one section per op)
 OPS = (
@@ -317,26 +387,6 @@ class BadBody(Exception):
 
 
 # -- binary I/O frames (data connections) --------------------------------------
-class IOOp(enum.IntEnum):
-    """What one range of an I/O request does."""
-
-    WRITE = 1    # slot -> store
-    READ = 2     # store -> slot
-
-
-#: ``slot_offset`` for "where the KPU has it": ``token_start * token_bytes`` (the slot mirrors one KPU)
-MIRROR = (1 << 64) - 1
-#: request body: request id, number of ranges, flags (0)
-IO_REQUEST = struct.Struct("<QHH")
-#: one range: op, tensor id, first token, tokens, byte offset in the channel's staging slot
-IO_RANGE = struct.Struct("<BxxxIIIQ")
-#: reply body: request id, status (0: served, see ``RangeResult``; else 1 + error index: refused whole), ranges
-IO_REPLY = struct.Struct("<QBxH")
-#: one range's result: status (0 ok, else 1 + error index), path (0 none, 1 page cache, 2 direct),
-#: bytes, service ns, resident bytes of a page-cache read (``NO_HIT`` otherwise), started/finished ns
-IO_RESULT = struct.Struct("<BBxxxxxxQQQQQ")
-#: ``hit_bytes`` of a range that is not a page-cache read
-NO_HIT = (1 << 64) - 1
 #: one served range as the daemon's general path counts it: bytes, service ns, resident bytes of a page-cache read
 #: (``NO_HIT`` otherwise), started ns, finished ns (an IO_RESULT without its status and path)
 ServedRow = tuple[int, int, int, int, int]
@@ -346,8 +396,8 @@ MAX_RANGES = 4096
 MAX_RANGE_MESSAGE = 160
 _ERROR_INDEX = {code: i for i, code in enumerate(ErrorCode)}
 _ERROR_BY_INDEX = tuple(ErrorCode)
-_PATH_CODES = {None: 0, "pagecache": 1, "direct": 2}
-_PATH_NAMES = (None, "pagecache", "direct")
+_PATH_CODES = PATH_CODES
+_PATH_NAMES = tuple(sorted(PATH_CODES, key=lambda name: PATH_CODES[name]))
 _U16 = struct.Struct("<H")
 _IO_OPS = {int(op): op for op in IOOp}
 # the frame header and a request's head in one pack (the client's hot path)
@@ -427,10 +477,10 @@ def decode_io_request(body: bytes | memoryview) -> tuple[int, list[IORange]]:
 
 def encode_io_reply(req_id: int, results: Sequence[RangeResult]) -> bytes:
     """A whole binary I/O reply frame: one result per range, then the messages of the failed ones."""
-    parts = [IO_REPLY.pack(req_id, 0, len(results))]
+    parts = [IO_REPLY.pack(req_id, SERVED, len(results))]
     messages = []
     for r in results:
-        status = 0 if r.error is None else 1 + _ERROR_INDEX[r.error]
+        status = SERVED if r.error is None else 1 + _ERROR_INDEX[r.error]
         parts.append(IO_RESULT.pack(status, _PATH_CODES[r.path], r.nbytes, r.service_ns,
                                     NO_HIT if r.hit_bytes is None else r.hit_bytes, r.started_ns, r.finished_ns))
         if status:
@@ -458,7 +508,7 @@ def decode_io_reply(body: bytes | memoryview) -> tuple[int, ErrorCode | None, st
         for _ in range(n):
             st, path, nbytes, ns, hit, t0, t1 = IO_RESULT.unpack_from(body, pos)
             pos += IO_RESULT.size
-            results.append(RangeResult(None if st == 0 else _ERROR_BY_INDEX[st - 1], "", _PATH_NAMES[path],
+            results.append(RangeResult(None if st == SERVED else _ERROR_BY_INDEX[st - 1], "", _PATH_NAMES[path],
                                        nbytes, ns, None if hit == NO_HIT else hit, t0, t1))
         for r in results:
             if r.error is not None:
@@ -471,12 +521,13 @@ def decode_io_reply(body: bytes | memoryview) -> tuple[int, ErrorCode | None, st
 
 
 class FrameStream:
-    """Frame reads on a data connection, in C (``cffi_build/bladed_lane.c``): one ``recv`` per frame when the
-    peer sent it in one piece.
+    """Frame reads on a data connection, in C (``bladed._wire``, ``cffi_build/bladed_wire.c``: no liburing): one
+    ``recv`` per frame when the peer sent it in one piece.
 
     Bytes that arrive beyond the current frame (a pipelined request) stay in
     the buffer for the next :meth:`read`.  No descriptors on these connections.
-    The daemon's lane reads through the same C stream (``into``).
+    The daemon's lane reads through the same C stream (``into``: the ``struct bd_stream`` inside its
+    ``struct bd_lane``; ``bladed._uring`` includes ``bladed._wire``'s declarations, so the types are one).
     """
 
     def __init__(self, sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES, *, into: Any = None) -> None:

@@ -1,20 +1,18 @@
 /*
- * bladed_lane.c - frames, channel locks, KPU gates and the page-cache lane.
+ * bladed_lane.c - channel locks, KPU gates and the lane.
  *
- * The wire layouts are bladed.protocol's (HEADER, IO_REQUEST, IO_RANGE,
- * IO_REPLY, IO_RESULT); tests/test_lane.py holds the two sides together.
+ * The wire layouts and codes are bladed.protocol's, generated at build time as
+ * the packed structs of bladed_wire_layout.h (struct bd_io_request, bd_io_range,
+ * bd_io_reply, bd_io_result); the frames come through bladed_wire.c.
  */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <fcntl.h>
 #include <linux/futex.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -22,141 +20,22 @@
 #include "bladed_lane.h"
 #include "bladed_uring.h"
 
-#define FRAME_HEADER 8u           /* "BD", format, flags, u32 length */
-#define IO_FORMAT 2u
-#define JSON_FORMAT 1u
-#define IO_REQUEST_SIZE 12u       /* u64 id, u16 ranges, u16 flags */
-#define IO_RANGE_SIZE 24u         /* u8 op, 3 pad, u32 tensor, u32 first token, u32 tokens, u64 slot offset */
-#define IO_REPLY_SIZE 12u         /* u64 id, u8 status, pad, u16 ranges */
-#define IO_RESULT_SIZE 48u        /* u8 status, u8 path, 6 pad, 5 x u64 */
-#define OP_WRITE 1u
-#define OP_READ 2u
-#define PATH_PAGECACHE 1u         /* bladed.protocol's path codes */
-#define PATH_DIRECT 2u
-#define MIRROR UINT64_MAX
-#define NO_HIT UINT64_MAX
 #define PAGE 4096u
 
 _Static_assert(sizeof(((struct bd_lane_counters *)0)->buckets[0][0]) / sizeof(uint64_t) == BD_LANE_BOUNDS + 1,
                "one bucket per bound and one past the last");
 
-static uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-static uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint16_t ld16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static void st64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
-static void st32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
-static void st16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+/* range i of a request body (the structs are packed: any address will do) */
+static const struct bd_io_range *range_at(const uint8_t *body, uint32_t i)
+{
+    return (const struct bd_io_range *)(body + sizeof(struct bd_io_request)) + i;
+}
 
 static uint64_t now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* -- frames ------------------------------------------------------------------------------ */
-static int nonblocking(int fd)
-{
-    int flags = fcntl(fd, F_GETFL);
-    return flags >= 0 && (flags & O_NONBLOCK);
-}
-
-/* make room: what is left of the current frame to the front of the buffer */
-static void stream_compact(struct bd_stream *s)
-{
-    memmove(s->buf, s->buf + s->start, s->end - s->start);
-    s->end -= s->start;
-    s->start = 0;
-}
-
-static int stream_more(struct bd_stream *s, int timeout_ms, int at_boundary)
-{
-    if (s->end == s->cap)
-        stream_compact(s);
-    for (;;) {
-        ssize_t n = recv(s->fd, s->buf + s->end, s->cap - s->end, 0);
-        if (n > 0) {
-            s->end += (uint32_t)n;
-            return 0;
-        }
-        if (n == 0) {
-            if (at_boundary && s->start == s->end)
-                return -BD_STREAM_CLOSED;
-            s->detail = s->end - s->start;
-            return -BD_STREAM_TRUNCATED;
-        }
-        if (errno == EINTR)
-            continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return -errno;
-        if (!nonblocking(s->fd))
-            return -BD_STREAM_TIMEOUT;    /* a blocking socket's SO_RCVTIMEO ran out */
-        struct pollfd p = {.fd = s->fd, .events = POLLIN};
-        int r = poll(&p, 1, timeout_ms);
-        if (r == 0)
-            return -BD_STREAM_TIMEOUT;
-        if (r < 0 && errno != EINTR)
-            return -errno;
-    }
-}
-
-int bd_stream_read(struct bd_stream *s, int timeout_ms)
-{
-    int r;
-    if (s->start == s->end)
-        s->start = s->end = 0;
-    while (s->end - s->start < FRAME_HEADER)
-        if ((r = stream_more(s, timeout_ms, 1)) < 0)
-            return r;
-    const uint8_t *h = s->buf + s->start;
-    if (h[0] != 'B' || h[1] != 'D') {
-        s->detail = (uint64_t)h[0] | (uint64_t)h[1] << 8;
-        return -BD_STREAM_BAD_MAGIC;
-    }
-    if (h[2] != JSON_FORMAT && h[2] != IO_FORMAT) {
-        s->detail = h[2];
-        return -BD_STREAM_BAD_FORMAT;
-    }
-    uint32_t len = ld32(h + 4);
-    if (len > s->max_bytes || len > s->cap - FRAME_HEADER) {
-        s->detail = len;
-        return -BD_STREAM_TOO_LARGE;
-    }
-    uint32_t fmt = h[2];
-    if (s->cap - s->start < FRAME_HEADER + len)
-        stream_compact(s);
-    while (s->end - s->start < FRAME_HEADER + len)
-        if ((r = stream_more(s, timeout_ms, 0)) < 0)
-            return r;
-    s->fmt = fmt;
-    s->at = s->start + FRAME_HEADER;
-    s->len = len;
-    s->start += FRAME_HEADER + len;
-    return 0;
-}
-
-int bd_send_all(int fd, const void *buf, uint64_t len)
-{
-    const uint8_t *p = buf;
-    while (len) {
-        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && nonblocking(fd)) {
-                /* a Python socket with a timeout is non-blocking underneath: wait for room (a blocking
-                 * socket's EAGAIN is its SO_SNDTIMEO running out: the daemon's io.send_timeout_s) */
-                struct pollfd q = {.fd = fd, .events = POLLOUT};
-                if (poll(&q, 1, -1) < 0 && errno != EINTR)
-                    return -errno;
-                continue;
-            }
-            return -errno;
-        }
-        p += n;
-        len -= (uint64_t)n;
-    }
-    return 0;
 }
 
 /* -- channels ------------------------------------------------------------------------------- */
@@ -285,23 +164,26 @@ static void observe(struct bd_lane_counters *c, const uint64_t *bounds, unsigned
     c->buckets[path][write][b]++;
 }
 
-/* Check a request against the lane's rules; 1 if the lane serves it (the same rules as
- * Session._check, or stricter: anything else goes to Python, which refuses it exactly). */
+/* Check a request against the lane's rules; 1 if the lane may take it.  A pre-filter of the Python rulebook
+ * (protocol.decode_io_request, then rules.check_ranges): it passes exactly the requests that accepts, and
+ * everything else goes to Python, which refuses it with the exact error (tests/test_lane_rules.py). */
 static int lane_checks(struct bd_lane *l, const uint8_t *body, uint32_t size, uint32_t *n_out)
 {
-    if (size < IO_REQUEST_SIZE)
+    if (size < sizeof(struct bd_io_request))
         return 0;
-    uint32_t n = ld16(body + 8), flags = ld16(body + 10);
-    if (flags || n < 1 || n > l->limit || size != IO_REQUEST_SIZE + n * IO_RANGE_SIZE)
+    const struct bd_io_request *req = (const void *)body;
+    uint32_t n = req->nranges;
+    if (req->flags || n < 1 || n > l->limit || size != sizeof(*req) + n * sizeof(struct bd_io_range))
         return 0;
     const uint64_t tb = l->token_bytes;
     for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
-        uint32_t op = r[0], tid = ld32(r + 4);
-        uint64_t t0 = ld32(r + 8), nt = ld32(r + 12), so = ld64(r + 16);
-        if ((op != OP_WRITE && op != OP_READ) || tid >= l->ngates || nt < 1 || t0 + nt > l->max_tokens)
+        const struct bd_io_range *r = range_at(body, i);
+        uint32_t op = r->op, tid = r->tensor_id;
+        uint64_t t0 = r->token_start, nt = r->ntokens, so = r->slot_offset;
+        if ((op != BD_WIRE_OP_WRITE && op != BD_WIRE_OP_READ) || tid >= l->ngates || nt < 1 ||
+            t0 + nt > l->max_tokens)
             return 0;
-        if (so == MIRROR)
+        if (so == BD_MIRROR)
             so = t0 * tb;
         if (so > l->slot_bytes || nt * tb > l->slot_bytes - so)
             return 0;
@@ -316,59 +198,65 @@ static int lane_checks(struct bd_lane *l, const uint8_t *body, uint32_t size, ui
         qsort(l->scratch, n, sizeof(uint64_t), by_value);
         uint64_t prev_end = 0;
         for (uint32_t i = 0; i < n; i++) {
-            const uint8_t *r = body + IO_REQUEST_SIZE + (l->scratch[i] & 0xfffff) * IO_RANGE_SIZE;
+            const struct bd_io_range *r = range_at(body, (uint32_t)(l->scratch[i] & 0xfffff));
             uint64_t so = l->scratch[i] >> 20;
             if (i && so < prev_end)
                 return 0;
-            prev_end = so + (uint64_t)ld32(r + 12) * tb;
+            prev_end = so + (uint64_t)r->ntokens * tb;
         }
     }
     *n_out = n;
     return 1;
 }
 
+int bd_lane_check(struct bd_lane *l, const uint8_t *body, uint32_t size)
+{
+    uint32_t n;
+    return lane_checks(l, body, size, &n) ? (int)n : 0;
+}
+
 /* May the lane run range r on gate g (counted in)?  Inside its KPU; a direct range needs the lane's ring and
  * a slot offset on an LBA (the KPU offset is one: the gate opens only for rows of whole LBAs), so that the
  * whole range moves by DMA between the slot and the device (Algorithm 2).  Else the general path says why. */
-static int lane_may_run(const struct bd_lane *l, const struct bd_kpu_gate *g, const uint8_t *r)
+static int lane_may_run(const struct bd_lane *l, const struct bd_kpu_gate *g, const struct bd_io_range *r)
 {
-    uint64_t t0 = ld32(r + 8), nt = ld32(r + 12), so = ld64(r + 16);
+    uint64_t t0 = r->token_start, nt = r->ntokens, so = r->slot_offset;
     if ((t0 + nt) * l->token_bytes > g->nbytes)
         return 0;
     if (g->path != BD_PATH_DIRECT)
         return 1;
-    return l->ring != NULL && (so == MIRROR || so % l->lba_bytes == 0);
+    return l->ring != NULL && (so == BD_MIRROR || so % l->lba_bytes == 0);
 }
 
 /* Queue range i's transfer on the channel's ring (the slot's span to or from the KPU's LBAs); 0 if the engine
  * refused it (x says why, nothing queued). */
-static int lane_queue_direct(struct bd_lane *l, const uint8_t *r, uint32_t i)
+static int lane_queue_direct(struct bd_lane *l, const struct bd_io_range *r, uint32_t i)
 {
-    const struct bd_kpu_gate *g = &l->gates[ld32(r + 4)];
-    uint64_t off = (uint64_t)ld32(r + 8) * l->token_bytes, so = ld64(r + 16);
+    const struct bd_kpu_gate *g = &l->gates[r->tensor_id];
+    uint64_t off = (uint64_t)r->token_start * l->token_bytes, so = r->slot_offset;
     struct bd_xfer *x = &l->xfers[i];
     memset(x, 0, sizeof(*x));
     x->target = l->target;
-    x->op = r[0] == OP_WRITE ? BD_OP_WRITE : BD_OP_READ;
+    x->op = r->op == BD_WIRE_OP_WRITE ? BD_OP_WRITE : BD_OP_READ;
     x->slba = g->base + off / l->lba_bytes;      /* Algorithm 2, line 5: slba = start + offset / LBA */
-    x->nbytes = (uint64_t)ld32(r + 12) * l->token_bytes;
-    x->buf = (void *)(uintptr_t)(l->slot + (so == MIRROR ? off : so));
+    x->nbytes = (uint64_t)r->ntokens * l->token_bytes;
+    x->buf = (void *)(uintptr_t)(l->slot + (so == BD_MIRROR ? off : so));
     x->buf_index = bd_ring_buffer_index(l->ring, x->buf, x->nbytes);
     x->tag = i;
     return bd_enqueue(l->ring, x) == 0;
 }
 
 /* Page-cache range i, by copy. */
-static void lane_copy(struct bd_lane *l, const uint8_t *r, struct bd_lane_row *row)
+static void lane_copy(struct bd_lane *l, const struct bd_io_range *r, struct bd_lane_row *row)
 {
     const struct bd_kpu_gate *g = &l->gates[row->tensor_id];
-    uint64_t off = (uint64_t)ld32(r + 8) * l->token_bytes, so = ld64(r + 16);
-    if (so == MIRROR)
+    uint64_t off = (uint64_t)r->token_start * l->token_bytes, so = r->slot_offset;
+    if (so == BD_MIRROR)
         so = off;
     row->started_ns = now_ns();
-    if (r[0] == OP_WRITE) {
+    if (r->op == BD_WIRE_OP_WRITE) {
         int64_t done = bd_pwrite_full(g->fd, l->slot + so, row->nbytes, off);
-        row->hit = NO_HIT;
+        row->hit = BD_NO_HIT;
         if (done < 0)
             row->err = (int32_t)-done;
     } else {
@@ -406,8 +294,8 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
     uint32_t i, failed = 0, ndirect = 0;
     int ring_err = 0;
     for (i = 0; i < n; i++) {
-        const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
-        struct bd_kpu_gate *g = &l->gates[ld32(r + 4)];
+        const struct bd_io_range *r = range_at(body, i);
+        struct bd_kpu_gate *g = &l->gates[r->tensor_id];
         if (!gate_enter(g))
             break;
         if (!lane_may_run(l, g, r)) {
@@ -415,9 +303,9 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
             break;
         }
         struct bd_lane_row *row = &l->rows[i];
-        row->tensor_id = ld32(r + 4);
+        row->tensor_id = r->tensor_id;
         row->path = g->path;
-        row->nbytes = (uint64_t)ld32(r + 12) * tb;
+        row->nbytes = (uint64_t)r->ntokens * tb;
         row->err = 0;
         ndirect += g->path == BD_PATH_DIRECT;
     }
@@ -430,8 +318,8 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
     if (ndirect) {
         for (int pass = 0; pass < 2; pass++)      /* writes, then reads */
             for (i = 0; i < n; i++) {
-                const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
-                if (l->rows[i].path == BD_PATH_DIRECT && (r[0] == OP_WRITE) == (pass == 0)) {
+                const struct bd_io_range *r = range_at(body, i);
+                if (l->rows[i].path == BD_PATH_DIRECT && (r->op == BD_WIRE_OP_WRITE) == (pass == 0)) {
                     l->rows[i].started_ns = busy0;
                     ndirect -= !lane_queue_direct(l, r, i);
                 }
@@ -440,7 +328,7 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
     }
     for (i = 0; i < n; i++)
         if (l->rows[i].path == BD_PATH_PAGECACHE)
-            lane_copy(l, body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE, &l->rows[i]);
+            lane_copy(l, range_at(body, i), &l->rows[i]);
     while (ndirect && !ring_err)
         ring_err = lane_reap(l, 1, &ndirect);
     if (ring_err) {
@@ -449,12 +337,12 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
         return ring_err;
     }
     for (i = 0; i < n; i++) {
-        const uint8_t *r = body + IO_REQUEST_SIZE + i * IO_RANGE_SIZE;
+        const struct bd_io_range *r = range_at(body, i);
         struct bd_lane_row *row = &l->rows[i];
         struct bd_kpu_gate *g = &l->gates[row->tensor_id];
-        int write = r[0] == OP_WRITE;
+        int write = r->op == BD_WIRE_OP_WRITE;
         if (row->path == BD_PATH_DIRECT) {
-            row->hit = NO_HIT;
+            row->hit = BD_NO_HIT;
             if (l->xfers[i].err_kind != BD_OK)
                 row->err = 1;
             if (row->err)
@@ -468,7 +356,7 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
         }
         observe(c, l->bounds_ns, row->path, write, row->nbytes, row->service_ns);
         if (write) {
-            uint32_t end = ld32(r + 8) + ld32(r + 12), f = __atomic_load_n(&g->filled, __ATOMIC_RELAXED);
+            uint32_t end = r->token_start + r->ntokens, f = __atomic_load_n(&g->filled, __ATOMIC_RELAXED);
             while (end > f && !__atomic_compare_exchange_n(&g->filled, &f, end, 1, __ATOMIC_RELAXED,
                                                            __ATOMIC_RELAXED))
                 ;
@@ -484,32 +372,32 @@ static int lane_run_ranges(struct bd_lane *l, const uint8_t *body, uint32_t n)
     return (int)failed;
 }
 
+/* The reply frame of a request whose every range was served, in l->reply; its length. */
 static uint32_t pack_reply(struct bd_lane *l, uint32_t n)
 {
-    uint8_t *p = l->reply;
-    uint32_t len = IO_REPLY_SIZE + n * IO_RESULT_SIZE;
-    p[0] = 'B';
-    p[1] = 'D';
-    p[2] = IO_FORMAT;
-    p[3] = 0;
-    st32(p + 4, len);
-    p += FRAME_HEADER;
-    st64(p, l->req_id);
-    p[8] = 0;
-    p[9] = 0;
-    st16(p + 10, (uint16_t)n);
-    p += IO_REPLY_SIZE;
-    for (uint32_t i = 0; i < n; i++, p += IO_RESULT_SIZE) {
+    struct bd_frame_header *h = (void *)l->reply;
+    struct bd_io_reply *reply = (void *)(h + 1);
+    struct bd_io_result *res = (void *)(reply + 1);
+    uint32_t len = (uint32_t)(sizeof(*reply) + n * sizeof(*res));
+    memset(h, 0, sizeof(*h) + sizeof(*reply));
+    memcpy(h->magic, BD_MAGIC, sizeof(h->magic));
+    h->format = BD_IO_FORMAT;
+    h->length = len;
+    reply->request_id = l->req_id;
+    reply->status = BD_STATUS_SERVED;
+    reply->nresults = (uint16_t)n;
+    for (uint32_t i = 0; i < n; i++, res++) {
         const struct bd_lane_row *row = &l->rows[i];
-        memset(p, 0, 8);
-        p[1] = row->path == BD_PATH_DIRECT ? PATH_DIRECT : PATH_PAGECACHE;
-        st64(p + 8, row->nbytes);
-        st64(p + 16, row->service_ns);
-        st64(p + 24, row->hit);
-        st64(p + 32, row->started_ns);
-        st64(p + 40, row->finished_ns);
+        memset(res, 0, sizeof(*res));
+        res->status = BD_STATUS_SERVED;
+        res->path = row->path == BD_PATH_DIRECT ? BD_WIRE_PATH_DIRECT : BD_WIRE_PATH_PAGECACHE;
+        res->nbytes = row->nbytes;
+        res->service_ns = row->service_ns;
+        res->hit_bytes = row->hit;
+        res->started_ns = row->started_ns;
+        res->finished_ns = row->finished_ns;
     }
-    return FRAME_HEADER + len;
+    return (uint32_t)sizeof(*h) + len;
 }
 
 int bd_lane_run(struct bd_lane *l)
@@ -521,7 +409,7 @@ int bd_lane_run(struct bd_lane *l)
             return r;
         const uint8_t *body = s->buf + s->at;
         uint32_t n;
-        if (s->fmt != IO_FORMAT || !lane_checks(l, body, s->len, &n))
+        if (s->fmt != BD_IO_FORMAT || !lane_checks(l, body, s->len, &n))
             return 0;
         bd_chan_lock(l->chan);
         int failed = lane_run_ranges(l, body, n);
@@ -532,7 +420,7 @@ int bd_lane_run(struct bd_lane *l)
             return 0;             /* a gate is closed: Python carries out what closed it */
         if (failed < 0)
             return failed;        /* the ring failed */
-        l->req_id = ld64(body);
+        l->req_id = ((const struct bd_io_request *)body)->request_id;
         l->nrows = n;
         if (failed > 0)
             return 1;

@@ -7,8 +7,9 @@
  * "The page-cache lane").  So the mechanics live here and the policy stays in
  * Python:
  *
- *   - bd_stream: frame reads (one recv per frame when the peer sent it whole),
- *     used by the daemon's data connections and by the client's DataChannel;
+ *   - bd_stream (bladed_wire.h): frame reads (one recv per frame when the peer
+ *     sent it whole), the same for the daemon's data connections and the
+ *     client's DataChannel;
  *   - bd_lane: the daemon's loop for one data connection.  It serves the
  *     requests whose ranges all address KPUs whose gate is open (plain
  *     page-cache KPUs by copy; direct KPUs of whole-LBA token rows on the
@@ -26,37 +27,12 @@
 #define BLADED_LANE_H
 #include <stdint.h>
 
+#include "bladed_wire.h"
+
 /* CDEF-BEGIN */
-enum bd_stream_status {       /* bd_stream_read / bd_lane_run: -errno, or minus one of these */
-    BD_STREAM_CLOSED = 1000,      /* the peer closed at a frame boundary */
-    BD_STREAM_TRUNCATED = 1001,   /* closed in the middle of a frame; detail = bytes of it received */
-    BD_STREAM_BAD_MAGIC = 1002,   /* detail = the two bytes, little-endian */
-    BD_STREAM_BAD_FORMAT = 1003,  /* detail = the format byte */
-    BD_STREAM_TOO_LARGE = 1004,   /* detail = the body length announced */
-    BD_STREAM_TIMEOUT = 1005      /* nothing arrived within timeout_ms */
-};
-
-/* Frames on one socket.  The caller provides buf (cap bytes, at least the
- * frame header + max_bytes) and zeroes start/end; bytes beyond the frame just
- * read (a pipelined request) stay for the next read. */
-struct bd_stream {
-    int fd;
-    uint32_t max_bytes;
-    uint8_t *buf;
-    uint32_t cap;
-    uint32_t start;               /* first byte not yet handed out */
-    uint32_t end;                 /* one past the last byte received */
-    uint32_t fmt;                 /* the last frame read: format, */
-    uint32_t at;                  /* its body's offset in buf, */
-    uint32_t len;                 /* its body's length */
-    uint64_t detail;              /* what was wrong (enum bd_stream_status) */
-};
-/* The next frame into s->fmt/at/len.  timeout_ms < 0: wait as long as it takes
- * (a socket with a timeout is non-blocking underneath: then poll).  0 or minus
- * errno / enum bd_stream_status. */
-int bd_stream_read(struct bd_stream *s, int timeout_ms);
-int bd_send_all(int fd, const void *buf, uint64_t len);          /* 0 or -errno */
-
+/* the lane's latency histogram: bounds (bladed.server.metrics.LATENCY_BOUNDS_NS, which tests/test_wire_layout.py
+ * holds to this count) */
+#define BD_LANE_BOUNDS 18
 /* Where a gate's KPU lives: the index of the lane's counters per path. */
 enum bd_gate_path {
     BD_PATH_PAGECACHE = 0,        /* a plain page-cache file, mapped */
@@ -70,7 +46,7 @@ struct bd_lane_counters {
     uint64_t bytes[2][2];
     uint64_t errors[2][2];
     uint64_t latency_ns[2][2];
-    uint64_t buckets[2][2][19];   /* latency histogram: BD_LANE_BOUNDS bounds + overflow */
+    uint64_t buckets[2][2][BD_LANE_BOUNDS + 1];   /* latency histogram: one past the last bound too */
     uint64_t pagecache_read_bytes;
     uint64_t pagecache_hit_bytes;
     uint64_t requests;            /* requests the lane served */
@@ -103,7 +79,6 @@ int bd_gate_open(struct bd_kpu_gate *g, uint32_t path, int fd, uint64_t base, ui
 void bd_gate_close(struct bd_kpu_gate *g);                       /* new lane requests pass it by */
 void bd_gate_drain(struct bd_kpu_gate *g);                       /* close, then wait for those in flight */
 
-#define BD_LANE_BOUNDS 18
 /* One range the lane served, or failed: err != 0, and then a page-cache
  * range's err is the errno and a direct range's failure is its transfer's
  * (bd_lane.xfers[i] for range i). */
@@ -128,7 +103,7 @@ struct bd_lane {
     uint32_t limit;               /* most ranges per request it serves (rows, reply and scratch hold this many) */
     uint64_t slot;                /* the channel's staging slot */
     uint64_t slot_bytes;
-    uint64_t bounds_ns[18];       /* latency histogram bounds (bladed.server.metrics.LATENCY_BUCKETS) */
+    uint64_t bounds_ns[BD_LANE_BOUNDS];   /* latency histogram bounds, ascending */
     struct bd_lane_row *rows;     /* limit rows */
     uint8_t *reply;               /* a served reply's frame: room for limit results */
     uint64_t *scratch;            /* 2 * limit words */
@@ -147,6 +122,11 @@ struct bd_lane {
  * the reply; negative: as bd_stream_read, a failed send or a failed ring
  * (-errno: the connection ends). */
 int bd_lane_run(struct bd_lane *l);
+/* The lane's request checks alone (what bd_lane_run applies to each frame before it takes the channel lock):
+ * the number of ranges of the request body if the lane may take it, 0 if it goes to Python.  The checks are
+ * the Python rulebook's (decode_io_request, then bladed.server.sessions.rules.check_ranges) as a pre-filter:
+ * they pass exactly what it accepts (tests/test_lane_rules.py). */
+int bd_lane_check(struct bd_lane *l, const uint8_t *body, uint32_t size);
 /* CDEF-END */
 
 #endif

@@ -575,33 +575,30 @@ static int run_slot(struct bd_pool *p, struct bd_slot *s)
 
     if (t->kind == BD_KIND_NVME) {
         struct bd_nvme_io c;
+        /* the two ioctl structs share these fields; only the result's width differs */
+#define BD_PASSTHRU(cmd) do {                                                   \
+            memset(&(cmd), 0, sizeof(cmd));                                     \
+            (cmd).opcode = c.opcode;                                            \
+            (cmd).nsid = t->nsid;                                               \
+            (cmd).addr = c.addr;                                                \
+            (cmd).data_len = c.data_len;                                        \
+            (cmd).cdw10 = c.cdw10;                                              \
+            (cmd).cdw11 = c.cdw11;                                              \
+            (cmd).cdw12 = c.cdw12;                                              \
+            (cmd).timeout_ms = t->timeout_ms;                                   \
+        } while (0)
         nvme_command(s, x, &c);
         if (!__atomic_load_n(&p->no_io64, __ATOMIC_RELAXED)) {
-            struct nvme_passthru_cmd64 cmd;
-            memset(&cmd, 0, sizeof(cmd));
-            cmd.opcode = c.opcode;
-            cmd.nsid = t->nsid;
-            cmd.addr = c.addr;
-            cmd.data_len = c.data_len;
-            cmd.cdw10 = c.cdw10;
-            cmd.cdw11 = c.cdw11;
-            cmd.cdw12 = c.cdw12;
-            cmd.timeout_ms = t->timeout_ms;
-            ret = ioctl(t->fd, NVME_IOCTL_IO64_CMD, &cmd);
+            struct nvme_passthru_cmd64 cmd64;
+            BD_PASSTHRU(cmd64);
+            ret = ioctl(t->fd, NVME_IOCTL_IO64_CMD, &cmd64);
             if (ret >= 0 || errno != ENOTTY)
                 return ret < 0 ? -errno : ret;
             __atomic_store_n(&p->no_io64, 1, __ATOMIC_RELAXED);     /* a kernel before the 64-bit result */
         }
         struct nvme_passthru_cmd cmd;
-        memset(&cmd, 0, sizeof(cmd));
-        cmd.opcode = c.opcode;
-        cmd.nsid = t->nsid;
-        cmd.addr = c.addr;
-        cmd.data_len = c.data_len;
-        cmd.cdw10 = c.cdw10;
-        cmd.cdw11 = c.cdw11;
-        cmd.cdw12 = c.cdw12;
-        cmd.timeout_ms = t->timeout_ms;
+        BD_PASSTHRU(cmd);
+#undef BD_PASSTHRU
         ret = ioctl(t->fd, NVME_IOCTL_IO_CMD, &cmd);
         return ret < 0 ? -errno : ret;
     }

@@ -92,3 +92,19 @@ def test_python_snippet_runs_as_written_beside_a_daemon(quick_start: DaemonProce
     # through this daemon: the snippet's process opened a session and closed it (or closed it retaining its KV)
     closed = quick_start.wait_event("session_close", after=before, pid=proc.pid)
     assert closed["reason"] in ("closed", "retained")
+
+
+def test_the_client_docs_error_table_is_the_codes() -> None:
+    """docs/client.md's table of error codes says, per code, exactly what the client raises for it: the class
+    ``protocol.error_for`` makes, and that class's row of ``protocol.ERRORS`` (what else it is, its meaning)."""
+    from bladed import protocol
+
+    with open(os.path.join(ROOT, "docs", "client.md")) as f:
+        section = f.read().split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = {m[1]: (m[2], m[3] or "", m[4])
+            for m in re.finditer(r"^\| `(\w+)` \| `(\w+)` \| (?:`(\w+)` )?\| (.*) \|$", section, re.M)}
+    assert rows.keys() == {code.value for code in protocol.ErrorCode}
+    table = {code.value: (name, also, doc) for name, also, codes, doc in protocol.ERRORS for code in codes}
+    for code, (name, also, doc) in rows.items():
+        assert type(protocol.error_for(protocol.ErrorCode(code), "")).__name__ == name, code
+        assert code not in table or (name, also, doc) == table[code], code

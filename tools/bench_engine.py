@@ -281,10 +281,10 @@ TOOLS = {
                  "(fio's batched submission and reaping)",
     "engine-portable": "bladed's portable engine (io.engine = portable: preadv2/pwritev2 on min(QD, 8) threads, "
                        "what runs where io_uring is refused); staging as for engine",
-    "fio-libaio": "fio, ioengine libaio, direct=1, iodepth QD: Linux AIO, the asynchronous path a box without "
-                  "io_uring still has (file and block targets)",
+    "fio-psync": "fio, ioengine psync, direct=1: one synchronous pread/pwrite at a time, the plain path a box "
+                 "without io_uring has (file and block targets)",
 }
-EXTRA_TOOLS = ("engine-4k", "fio-batch", "engine-portable", "fio-libaio")
+EXTRA_TOOLS = ("engine-4k", "fio-batch", "engine-portable", "fio-psync")
 
 
 @dataclass
@@ -368,8 +368,8 @@ def run_engine(target: Target, op_name: str, command_bytes: int, cfg: Config, st
 
 
 def fio_command(target: Target, op_name: str, command_bytes: int, cfg: Config, output: str,
-                batch: bool = False, libaio: bool = False) -> list[str]:
-    engine = ["--ioengine=libaio", "--direct=1"] if libaio else [
+                batch: bool = False, psync: bool = False) -> list[str]:
+    engine = ["--ioengine=psync", "--direct=1"] if psync else [
         *target.fio_args(), "--fixedbufs=1", f"--registerfiles={1 if cfg.fio_registerfiles else 0}"]
     cmd = [
         cfg.fio, "--name=bladed-bench", f"--filename={target.path}", *engine,
@@ -388,9 +388,9 @@ def fio_command(target: Target, op_name: str, command_bytes: int, cfg: Config, o
 
 
 def run_fio(target: Target, op_name: str, command_bytes: int, cfg: Config, workdir: str,
-            batch: bool = False, libaio: bool = False) -> dict[str, Any]:
+            batch: bool = False, psync: bool = False) -> dict[str, Any]:
     output = os.path.join(workdir, "fio.json")
-    cmd = fio_command(target, op_name, command_bytes, cfg, output, batch, libaio)
+    cmd = fio_command(target, op_name, command_bytes, cfg, output, batch, psync)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         if tool.startswith("engine"):
             return measure(lambda: run_engine(t, op, c, cfg, stagings[tool]), t, op, cfg)
         return measure(lambda: run_fio(t, op, c, cfg, workdir, batch=tool == "fio-batch",
-                                       libaio=tool == "fio-libaio"), t, op, cfg)
+                                       psync=tool == "fio-psync"), t, op, cfg)
 
     runs: list[dict[str, Any]] = []
     prefills = {}

@@ -22,6 +22,7 @@ Usage: tools/bench_requests.py [--rounds 7] [--ops 400] [--out FILE] [--dir DIR]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", type=int, default=400, help="operations per measure and round")
     p.add_argument("--dir", default=None, help="where the daemon's store goes (default: a temp dir in /var/tmp)")
     p.add_argument("--out", default=None, help="JSON output (default: docs/bench/requests-<UTC time>.json)")
+    p.add_argument("--portable", action="store_true",
+                   help="also a daemon on io.engine = portable (issue 29): its one-token direct write and read "
+                        "round trips, alternated with the others in every round")
     args = p.parse_args(argv)
     base = args.dir or tempfile.mkdtemp(prefix="bladed-bench-req-", dir="/var/tmp")
     out = args.out or os.path.join(ROOT, "docs", "bench", time.strftime("requests-%Y-%m-%dT%H%MZ.json", time.gmtime()))
@@ -128,12 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     L = GEO["layers"]
     rounds: list[dict[str, float]] = []
     daemon = BenchDaemon(os.path.join(base, "state"), store_bytes=256 << 20, extra={"budget": {"override": 1 << 30}})
+    portable = (BenchDaemon(os.path.join(base, "state-portable"), store_bytes=256 << 20,
+                            extra={"budget": {"override": 1 << 30}, "io": {"engine": "portable"}})
+                if args.portable else None)
     pp = PingPong()
     bare_dev = FileDevice(os.path.join(base, "bare.img"), 256 << 20, lba_size=4096)
     bare_buf = StagingBuffer(max(BULK, 1 << 20))
     bare = Engine(bare_dev, 32, [bare_buf])
     try:
-        with Client(daemon.socket_path) as c:
+        with Client(daemon.socket_path) as c, contextlib.ExitStack() as more:
             pc = c.open_session(GEO, mode="baseline", channels=2, slot_bytes=2 * L * tb + kpu)
             direct = c.open_session(GEO, mode="direct", channels=2, slot_bytes=2 * L * tb + kpu)
             big = dict(GEO, layers=1, max_tokens=8 * GEO["max_tokens"])   # 8 MiB KPUs for the bulk reads
@@ -178,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
                 "direct_step_singles_us": singles("direct"),
                 "bulk_read_us": bulk_read,                                # the 8 MiB read alone (its throughput)
             }
+            if portable is not None:
+                pc_client = more.enter_context(Client(portable.socket_path))
+                pdirect = pc_client.open_session(GEO, mode="direct", channels=2, slot_bytes=2 * L * tb + kpu)
+                pdirect.slot(0)[:] = os.urandom(len(pdirect.slot(0)))
+                for layer in range(L):
+                    for kind in "kv":
+                        pdirect.write(layer, kind, 0)
+                pch = pdirect.channel(0)
+                pone = {op: [pdirect.range(op, 3, "k", 100, 1)] for op in ("write", "read")}
+                measures["portable_direct_write_us"] = lambda: pch.submit(pone["write"]) and None
+                measures["portable_direct_read_us"] = lambda: pch.submit(pone["read"]) and None
             for _ in range(10):                                           # warm up
                 for fn in measures.values():
                     fn()
@@ -201,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         bare_buf.close()
         bare_dev.close()
         daemon.stop()
+        if portable is not None:
+            portable.stop()
 
     def ratio(a: str, b: str) -> float:
         return statistics.median(row[a] / row[b] for row in rounds)
@@ -218,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         "pc step per KPU: batched / singles": ratio("pc_step_batched_us", "pc_step_singles_us"),
         "direct step per KPU: batched / singles": ratio("direct_step_batched_us", "direct_step_singles_us"),
     }
+    if "portable_direct_write_us" in rounds[0]:
+        ratios["portable direct_write / uring direct_write"] = ratio("portable_direct_write_us", "direct_write_us")
+        ratios["portable direct_read / uring direct_read"] = ratio("portable_direct_read_us", "direct_read_us")
     result = {"what": "request overhead (tools/bench_requests.py)", "geometry": GEO, "token_bytes": tb,
               "layers_per_step": L, "bulk_read_bytes": BULK, "rounds": rounds, "medians": medians,
               "per_kpu_step_us": {k: medians[k] / L for k in medians if "step" in k},

@@ -479,12 +479,16 @@ def _libdir(prefix: str) -> str:
 def build_extension(build_dir: str, prefix: str | None, python: str, env: dict[str, str], timeout: float,
                     log: Log | None, extra_include: str | None = None) -> tuple[str | None, str]:
     """Compile ``bladed._uring`` (cffi API mode, ``cffi_build/build_uring.py``) in ``build_dir`` with ``python``,
-    against liburing unpacked at ``prefix`` (None: the system's), linked with an rpath to it. Returns the
-    built module's path (None on failure) and the compiler's output."""
+    against liburing unpacked at ``prefix`` (None: the system's), linked with an rpath to it, and beside it
+    ``bladed._wire`` (``build_wire.py``), which ``bladed._uring`` imports. Returns the built ``_uring``'s path
+    (None on failure; :func:`with_wire` names both) and the compiler's output."""
     shutil.rmtree(build_dir, ignore_errors=True)
     os.makedirs(build_dir)
     shutil.copytree(os.path.join(ROOT, "cffi_build"), os.path.join(build_dir, "cffi_build"),
                     ignore=shutil.ignore_patterns("__pycache__"))
+    # the wire's layouts: the build generates the C header from this file's WIRE-LAYOUT section
+    os.makedirs(os.path.join(build_dir, "bladed"))
+    shutil.copy2(os.path.join(ROOT, "bladed", "protocol.py"), os.path.join(build_dir, "bladed", "protocol.py"))
     env = dict(env)
     cflags, ldflags = [], []
     if prefix is not None:
@@ -499,13 +503,31 @@ def build_extension(build_dir: str, prefix: str | None, python: str, env: dict[s
     if ldflags:
         env["LDFLAGS"] = " ".join([*ldflags, env.get("LDFLAGS", "")]).strip()
     code = ("import sys\nsys.path.insert(0, 'cffi_build')\nimport build_uring\n"
+            "print('BUILT_WIRE', build_uring.wire.ffibuilder.compile(tmpdir='.', verbose=True))\n"
             "print('BUILT', build_uring.ffibuilder.compile(tmpdir='.', verbose=True))\n")
     c = run_child([python, "-c", code], timeout=timeout, env=env, cwd=build_dir, log=log, what="build: cffi")
     m = re.search(r"^BUILT (.+)$", c.out, re.M)
     if c.rc != 0 or m is None:
         return None, c.out if c.rc is not None else c.out + "\n(timed out)"
     path = m.group(1).strip()
-    return (path if os.path.isabs(path) else os.path.join(build_dir, path)), c.out
+    path = path if os.path.isabs(path) else os.path.join(build_dir, path)
+    if not os.path.exists(with_wire(path)[1]):
+        return None, c.out + "\n(bladed._wire was not built beside bladed._uring)"
+    return path, c.out
+
+
+def with_wire(uring: str) -> tuple[str, str]:
+    """A built ``_uring`` and the ``_wire`` built (or carried) beside it, which it imports."""
+    head, name = os.path.split(uring)
+    return uring, os.path.join(head, name.replace("_uring", "_wire", 1))
+
+
+def _copy_with_wire(uring: str, dest_dir: str, name: str | None = None) -> str:
+    """Copy a built ``_uring`` (as ``name``) and its ``_wire`` into ``dest_dir``; the ``_uring`` copy's path."""
+    dest = os.path.join(dest_dir, name or os.path.basename(uring))
+    for src, dst in zip(with_wire(uring), with_wire(dest), strict=True):
+        shutil.copy2(src, dst)
+    return dest
 
 
 def step_build(ctx: Ctx) -> Result:
@@ -537,7 +559,7 @@ def step_build(ctx: Ctx) -> Result:
         if not ctx.rehearse or not os.path.exists(target):
             # on the box (a throw-away copy of the tree) the package's own; in a rehearsal only where this
             # Python has none yet (the checkout's environment keeps the one it built)
-            shutil.copy2(built, target)
+            _copy_with_wire(built, os.path.dirname(target), os.path.basename(target))
             data["installed_as"] = target
         else:
             data["installed_as"] = None
@@ -913,8 +935,7 @@ def _carry_prebuilt(python: str, carry: str, log: Log) -> None:
             log(f"the prebuilt extension did not build with {python}:\n{tail(out, 10)}")
             return
         os.makedirs(os.path.join(carry, "prebuilt"), exist_ok=True)
-        dest = os.path.join(carry, "prebuilt", os.path.basename(built))
-        shutil.copy2(built, dest)
+        dest = _copy_with_wire(built, os.path.join(carry, "prebuilt"))
         log(f"prebuilt {os.path.basename(built)} carried ({os.path.getsize(dest)} bytes; rpath "
             f"{_libdir(prefix)} is not on the box: it finds the unpacked liburing through LD_LIBRARY_PATH)")
     finally:
@@ -956,12 +977,13 @@ def simulate_box(py312: str, carry: str, log: Log) -> int:
         out = os.path.join(tmp, "out")
         env = {**os.environ, "PYTHONPATH": standin, "PYTHONNOUSERSITE": "1"}
         suffix = _py_paths(py312)["suffix"]
-        target = os.path.join(ROOT, "bladed", "_uring" + suffix)
-        had = os.path.exists(target)
+        targets = with_wire(os.path.join(ROOT, "bladed", "_uring" + suffix))
+        had = [os.path.exists(t) for t in targets]
         r = subprocess.run([py312, os.path.abspath(__file__), "--rehearse", "--out", out, "--carry", carry,
                             "--budget-s", "300"], env=env)
-        if not had and os.path.exists(target):
-            os.unlink(target)  # the simulation's, not this checkout's
+        for target, existed in zip(targets, had, strict=True):
+            if not existed and os.path.exists(target):
+                os.unlink(target)  # the simulation's, not this checkout's
         with open(os.path.join(out, JSON_NAME)) as f:
             doc = json.load(f)
         ok = all(doc["steps"][s]["status"] == "passed" for s in ("install", "liburing", "build", "uring", "daemon"))

@@ -90,7 +90,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     pts = default_points(a.configs, limits, a.pipelines, pp_limits=[int(x * GiB) for x in a.pp_limits],
                          alphas=a.alphas, kv_bytes=spec.kv_bytes, kpu_bytes=spec.kpu_bytes,
                          headroom_limits=[int(x * GiB) for x in a.headroom_limits], headroom_frac=a.headroom_frac,
-                         alpha_dma=a.alpha_dma, noreplan_limits=[int(x * GiB) for x in a.noreplan_limits])
+                         alpha_dma=a.alpha_dma, noreplan_limits=[int(x * GiB) for x in a.noreplan_limits],
+                         portable_limits=[int(x * GiB) for x in a.portable_limits])
     plan = SweepPlan(spec=spec, points=pts, reps=a.reps, workdir=a.workdir, fio_size=a.fio_size,
                      pc_probe_size=a.pc_probe_size, drop=not a.no_drop, keep_series=a.keep_series,
                      settle=not a.no_settle, memory_settle=not a.no_memory_settle,
@@ -160,6 +161,8 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     s.add_argument("--pp-limits", type=_floats, default=[1.0], help="limits (GiB) of the P·P on/off study")
     s.add_argument("--headroom-limits", type=_floats, default=[],
                    help="limits (GiB) where Dual-Blade also runs with a budget below Eq. 1-2's ('' for none)")
+    s.add_argument("--portable-limits", type=_floats, default=[],
+                   help="limits (GiB) of the portable-engine study: Dual-Blade on io.engine = portable (issue 29)")
     s.add_argument("--noreplan-limits", type=_floats, default=[0.5, 1.0, 2.0],
                    help="limits (GiB) where Dual-Blade also runs with budget.live_replan = false ('' for none)")
     s.add_argument("--headroom-frac", type=float, default=0.05, help="that budget: this fraction of the limit less")

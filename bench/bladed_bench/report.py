@@ -637,6 +637,8 @@ DIAGNOSTICS = {
                  "32 MiB for the daemon and a further fraction of the limit; see `plan.points`)"),
     "noreplan": ("live re-planning off", "`budget.live_replan = false`: the plan made at session open "
                  "is kept for the whole run"),
+    "portable": ("the portable engine", "`io.engine = \"portable\"`: preadv2/pwritev2 on a thread pool instead "
+                 "of io_uring (what runs where io_uring is refused)"),
 }
 
 

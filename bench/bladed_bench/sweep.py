@@ -72,7 +72,8 @@ class Point:
 
     study: str                   # "sweep" (Fig. 3/10/11/12, Table IV), "pipeline" (P·P on/off), "alpha" (Table V),
     #                              "headroom" (Dual-Blade with a smaller budget than Eq. 1-2 gives),
-    #                              "noreplan" (Dual-Blade with the daemon's live re-planning off)
+    #                              "noreplan" (Dual-Blade with the daemon's live re-planning off),
+    #                              "portable" (Dual-Blade on the portable engine: io.engine = "portable")
     config: str                  # baseline | cachepolicy | direct | dualblade
     pipeline: str                # adaptive | intra | cross | off
     limit_bytes: int | None      # None: no limit
@@ -80,6 +81,7 @@ class Point:
     alpha: float | None = None
     dma: str | None = None       # None: the plan's workload setting
     live_replan: bool | None = None  # None: the daemon's default (budget.live_replan)
+    engine: str | None = None        # None: the daemon's default (io.engine = "auto")
 
     @property
     def round_key(self) -> tuple[str, int | None, float | None]:
@@ -131,7 +133,8 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
                    pp_limits: list[int] | None = None, alphas: list[float] | None = None, kv_bytes: int = 0,
                    kpu_bytes: int = 0, alpha_headroom: int = 256 * MiB, headroom_limits: list[int] | None = None,
                    headroom_frac: float = 0.05, alpha_dma: str | None = None,
-                   noreplan_limits: list[int] | None = None) -> list[Point]:
+                   noreplan_limits: list[int] | None = None,
+                   portable_limits: list[int] | None = None) -> list[Point]:
     """The main sweep, the pipeline on/off study, the budget-headroom and no-live-replan diagnostics and
     the Table V study."""
     pts = [Point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
@@ -143,6 +146,8 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
                          budget_override=headroom_override(lim, kpu_bytes, headroom_frac)))
     for lim in noreplan_limits or []:
         pts.append(Point("noreplan", "dualblade", pipelines[0], lim, live_replan=False))
+    for lim in portable_limits or []:
+        pts.append(Point("portable", "dualblade", pipelines[0], lim, engine="portable"))
     for a in alphas or []:
         override = int(a * kv_bytes)
         lim = override + 2 * kpu_bytes + alpha_headroom
@@ -273,6 +278,8 @@ class SweepRunner:
             extra.setdefault("budget", {})["override"] = p.budget_override
         if p.live_replan is not None:
             extra.setdefault("budget", {})["live_replan"] = p.live_replan
+        if p.engine is not None:
+            extra.setdefault("io", {})["engine"] = p.engine
         store = self.plan.store_bytes or align_up(spec.kv_bytes + 256 * MiB, MiB)
         return BladedTarget(p.config, spec, state_dir, store_bytes=store, launcher=launcher, daemon_config=extra)
 
@@ -284,7 +291,7 @@ class SweepRunner:
         rec: dict[str, Any] = {"study": p.study, "config": p.config, "label": LABELS[p.config],
                                "pipeline": p.pipeline, "limit_bytes": p.limit_bytes, "alpha": p.alpha,
                                "budget_override": p.budget_override, "rep": rep, "dma": spec.dma,
-                               "live_replan": p.live_replan,
+                               "live_replan": p.live_replan, "engine": p.engine,
                                "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         rec["drop_caches_s"] = drop_caches() if self._drop_ok else None
         rec["cold"] = self._drop_ok

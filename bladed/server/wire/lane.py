@@ -6,8 +6,9 @@ replying) cost microseconds on an edge CPU: a one-token page-cache round trip
 stayed at 4.4x a framed ping-pong (docs/benchmarks.md, "The page-cache lane"),
 and a one-token direct write at 2.5-3.2x a bare io_uring write ("The request
 loop in C").  So the loop of a data connection runs in C (``bd_lane_run``,
-``cffi_build/bladed_lane.c``): it reads each frame, checks the request against
-the same rules as :meth:`Session.execute` (or stricter), takes the channel lock
+``cffi_build/bladed_lane.c``): it reads each frame, checks it with ``bd_lane_check``,
+a pre-filter that takes exactly what ``sessions.rules.check_ranges`` accepts
+(``tests/test_lane_rules.py``) and hands anything else to Python, takes the channel lock
 (a C mutex, the one :class:`~bladed.server.storage.channel.Channel` hands Python),
 counts itself in on each KPU's gate (``bladed.server.storage.gates``), runs the ranges
 and sends the reply, without coming back to Python:
@@ -43,6 +44,7 @@ from typing import Any
 from bladed._uring import ffi, lib
 from bladed.io import transfer_error
 from bladed.protocol import (
+    HEADER,
     IO_FORMAT,
     IO_RANGE,
     IO_REPLY,
@@ -69,6 +71,9 @@ from bladed.server.storage.pagecache_store import range_failure
 
 log = logging.getLogger("bladed.connection")
 
+# the lane's C histogram has BD_LANE_BOUNDS buckets; cffi would pad a shorter bounds list with zeroes
+assert len(LATENCY_BOUNDS_NS) == lib.BD_LANE_BOUNDS, "metrics.LATENCY_BUCKETS and BD_LANE_BOUNDS disagree"
+
 _PATH_NAMES = {lib.BD_PATH_PAGECACHE: KVPath.PAGECACHE.value, lib.BD_PATH_DIRECT: KVPath.DIRECT.value}
 
 
@@ -87,7 +92,7 @@ class Lane:
         gates = sess.live.gates
         lane = ffi.new("struct bd_lane *")
         self._rows = ffi.new("struct bd_lane_row[]", limit)
-        self._reply = ffi.new("uint8_t[]", 8 + IO_REPLY.size + limit * IO_RESULT.size)
+        self._reply = ffi.new("uint8_t[]", HEADER.size + IO_REPLY.size + limit * IO_RESULT.size)
         self._scratch = ffi.new("uint64_t[]", 2 * limit)
         lane.chan = ch.chan
         lane.gates = gates.array
