@@ -162,7 +162,7 @@ def test_ns_check_of_a_store_file(store_dir: str, nowhere: str) -> None:
     new = os.path.join(store_dir, "new.img")
     ok = as_json(bladectl("ns", "check", new, "--size", "16M", "--json"))
     assert ok["ok"] and ok["usable"] and ok["backend"] == "file"
-    assert {c["check"] for c in ok["checks"]} >= {"kernel", "io_uring enabled", "memlock", "O_DIRECT"}
+    assert {c["check"] for c in ok["checks"]} >= {"kernel", "io_uring", "cachestat", "memlock", "O_DIRECT"}
     no_size = failure(run("ns", "check", new, "--json", cwd=nowhere), 2, "no_size")
     assert no_size == f"{new} does not exist; give --size to have it created (e.g. --size 64G)"
     bad = failure(run("ns", "check", new, "--size", "12Q", "--json", cwd=nowhere), 2, "usage")

@@ -116,3 +116,50 @@ def test_sysfs_only_view_of_a_multipath_head_and_a_namespace_without_disk(
     assert (only.name, only.device, only.transport, only.address) == ("nvme0", "/dev/nvme0", "pcie",
                                                                        "0000:01:00.0")
     assert [ns.char_device for ns in only.namespaces] == ["/dev/ng0n1", "/dev/ng0n2"]
+
+
+def test_kernel_without_generic_char_devices_lists_namespaces_by_their_disk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linux before 5.13 (Debian 11's 5.10) has no nvme-generic class: every namespace disk is listed with its
+    block node as the node to open; partitions and hidden multipath paths (nvmeXcYnZ) are not namespaces."""
+    ctrl = FakeDevice("nvme0", "nvme", node="/dev/nvme0", model="Old SSD", serial="S5", transport="pcie")
+    disk = FakeDevice("nvme0n1", "block", parent=ctrl, node="/dev/nvme0n1", nsid="1", size="2097152",
+                      queue__logical_block_size="512", queue__max_segments="33")
+    disk2 = FakeDevice("nvme0n2", "block", parent=ctrl, node="/dev/nvme0n2", nsid="2", size="8",
+                       queue__logical_block_size="4096")
+    part = FakeDevice("nvme0n1p1", "block", parent=disk, node="/dev/nvme0n1p1", size="2048")
+    hidden = FakeDevice("nvme0c0n1", "block", parent=ctrl, nsid="1", size="2097152")
+    sda = FakeDevice("sda", "block", node="/dev/sda", size="8")
+
+    def from_name(_ctx: object, subsystem: str, name: str) -> FakeDevice:
+        raise pyudev.DeviceNotFoundByNameError(subsystem, name)
+
+    monkeypatch.setattr(pyudev.Devices, "from_name", from_name)
+    ctx = FakeContext([ctrl, sda, hidden, part, disk2, disk])
+    a, b = list_namespaces(identify=False, context=ctx)
+    assert (a.char_device, a.node, a.block_device, a.controller, a.nsid) == (
+        "/dev/nvme0n1", "block", "nvme0n1", "nvme0", 1)
+    assert (a.lba_size, a.capacity_bytes, a.max_segments, a.model, a.identified) == (
+        512, 1 << 30, 33, "Old SSD", False)
+    assert (b.char_device, b.node, b.nsid, b.lba_size, b.capacity_blocks) == ("/dev/nvme0n2", "block", 2, 4096, 1)
+    (only,) = list_controllers(identify=False, context=ctx)
+    assert [ns.char_device for ns in only.namespaces] == ["/dev/nvme0n1", "/dev/nvme0n2"]
+
+
+def test_a_disk_with_a_generic_node_is_listed_once_by_that_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    ctrl = FakeDevice("nvme0", "nvme", node="/dev/nvme0")
+    disk = FakeDevice("nvme0n1", "block", parent=ctrl, node="/dev/nvme0n1", nsid="1")
+    ng = FakeDevice("ng0n1", "nvme-generic", parent=ctrl, node="/dev/ng0n1")
+    monkeypatch.setattr(pyudev.Devices, "from_name", lambda _c, _s, name: disk)
+    (ns,) = list_namespaces(identify=False, context=FakeContext([disk, ng, ctrl]))
+    assert (ns.char_device, ns.node, ns.block_device) == ("/dev/ng0n1", "generic", "nvme0n1")
+
+
+@pytest.mark.root
+def test_the_nvme_backend_refuses_a_block_device_that_is_no_namespace(loop_device: str) -> None:
+    """A block node is taken only as an NVMe namespace's (kernels without /dev/ngXnY); the VM covers that."""
+    from bladed.io import BladedIOError, open_device
+
+    with pytest.raises(BladedIOError, match=r"\(loop\d+\) is not an NVMe namespace \(want /dev/ngXnY, or "
+                                            r"/dev/nvmeXnY before Linux 5\.13\)"):
+        open_device("nvme", loop_device)

@@ -2,7 +2,9 @@
 
 One function per check; :func:`run_checks` runs those that apply to the backend, in the
 order they are reported, and stops at the first check that leaves nothing more to test
-(no such store file possible, no access, the store does not open).
+(no such store file possible, no access, the store does not open).  The kernel features are
+probed (:mod:`bladed.io.features`), not read off the version: one that is missing is a
+warning naming what bladed does instead.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import platform
-import re
 import resource
 import tempfile
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from bladed.cli.storage import partition_offset
 from bladed.config import Config, format_size, region_of
 from bladed.config import validate_device as config_device_problems
+from bladed.io import engines, features
 from bladed.residency.damon import pageout_schemes
 
 if TYPE_CHECKING:
@@ -42,50 +44,34 @@ def run_checks(path: str, backend: str, *, size_bytes: int = 0, region_start: in
     Call :func:`bladed.cli.storage.target_backend` and :func:`bladed.cli.storage.in_use` first:
     this assumes ``path`` is a free store of ``backend`` (or a store file to create).
     """
-    kernel = _kernel_version()
-    out = [_kernel(backend, kernel)]
-    if backend == "nvme":
-        out.append(_passthrough_fixed_buffers(kernel))
-    if backend == "block":
-        out.append(_discard_command(kernel))
-    out += [_io_uring_enabled(), _memlock(), _cachestat(), _host_pageout()]
+    out = [_kernel(backend), *(_feature(f) for f in _features(backend)), _memlock(), _host_pageout()]
     if backend == "file" and not os.path.exists(path):
         return out + _new_store_file(path, size_bytes)
     return out + _existing_store(path, backend, region_start, region_blocks)
 
 
 # -- the kernel and the process ---------------------------------------------------------------
-def _kernel_version() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", platform.release())
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+def _features(backend: str) -> list[features.Feature]:
+    """The features the backend's I/O depends on, in the order they are shown."""
+    out = [features.io_uring()]
+    if backend == "nvme":
+        out += [features.io_uring_cmd(), features.nvme_generic_chardev()]
+    if backend == "block":
+        out.append(features.io_uring_discard())
+    out.append(features.cachestat())
+    return out
 
 
-def _kernel(backend: str, kernel: tuple[int, int]) -> Check:
-    need = {"nvme": (5, 19), "block": (5, 1), "file": (5, 1)}[backend]
-    return Check("kernel", "ok" if kernel >= need else "fail",
-                 f"{platform.release()}; the {backend} backend needs {need[0]}.{need[1]}+"
-                 + (" (io_uring_cmd passthrough)" if backend == "nvme" else " (io_uring)"))
+def _kernel(backend: str) -> Check:
+    """The kernel, and the engine ``io.engine = "auto"`` picks for the backend here."""
+    choice = engines.choose(engines.AUTO, backend)
+    return Check("kernel", "ok", f"{platform.release()}; {backend} backend on the {choice.engine} engine "
+                                 f"with io.engine = auto ({choice.reason})")
 
 
-def _passthrough_fixed_buffers(kernel: tuple[int, int]) -> Check:
-    return Check("fixed buffers for passthrough", "ok" if kernel >= (6, 1) else "warn",
-                 "registered staging buffers with io_uring_cmd need 6.1+")
-
-
-def _discard_command(kernel: tuple[int, int]) -> Check:
-    return Check("discard command", "ok" if kernel >= (6, 12) else "warn",
-                 "io_uring block discard needs 6.12+; older kernels use ioctl(BLKDISCARD)")
-
-
-def _io_uring_enabled() -> Check:
-    try:
-        with open("/proc/sys/kernel/io_uring_disabled") as f:
-            disabled = int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        disabled = 0  # no such sysctl: a kernel from before it (6.6)
-    return Check("io_uring enabled", {0: "ok", 1: "warn"}.get(disabled, "fail"),
-                 f"kernel.io_uring_disabled = {disabled}"
-                 + (" (only root or io_uring_group may use it)" if disabled == 1 else ""))
+def _feature(f: features.Feature) -> Check:
+    """One probed feature: ok, or a warning naming the fallback (every missing feature has one)."""
+    return Check(f.name, "ok" if f.available else "warn", f.describe())
 
 
 def _memlock() -> Check:
@@ -95,21 +81,6 @@ def _memlock() -> Check:
                  f"RLIMIT_MEMLOCK {'unlimited' if soft == resource.RLIM_INFINITY else format_size(soft)}"
                  + ("; running as root (CAP_IPC_LOCK)" if root else
                     "; fixed-buffer registration may fail (LimitMEMLOCK=infinity in the unit)"))
-
-
-def _cachestat() -> Check:
-    try:
-        from bladed.io.pagecache import cachestat
-        probe = os.open("/proc/self/exe", os.O_RDONLY)
-        try:
-            has_cachestat = cachestat(probe, 0, 4096) is not None
-        finally:
-            os.close(probe)
-    except OSError:
-        has_cachestat = False
-    return Check("cachestat", "ok" if has_cachestat else "warn",
-                 "page-cache hit ratios via cachestat(2)" if has_cachestat else
-                 "cachestat(2) missing (kernel < 6.5): hit ratios fall back to mincore(2)")
 
 
 def _host_pageout() -> Check:
@@ -160,7 +131,7 @@ def _existing_store(path: str, backend: str, region_start: int, region_blocks: i
         if backend == "block":
             out += [_alignment(dev), _discard(dev)]
         if backend == "nvme":
-            out += [_mdts(dev), _deallocate(dev)]
+            out += [_mdts(dev), _deallocate(dev), _fixed_buffers(dev)]
         out.append(_read_one_block(dev, start))
     return out
 
@@ -228,6 +199,17 @@ def _deallocate(dev: ExtentDevice) -> Check:
                  + ("zeroes" if ident.deallocate_reads_zeroes else "undefined or ones"))
 
 
+def _fixed_buffers(dev: ExtentDevice) -> Check:
+    """Registered staging buffers for passthrough, probed with a one-block read (NvmeDevice.fixed_buffers_supported)."""
+    if dev.engine != engines.URING:
+        return Check("fixed buffers", "ok", f"{dev.engine} engine: staging buffers are passed by address")
+    ok = dev.fixed_buffers_supported()  # type: ignore[attr-defined]
+    return Check("fixed buffers", "ok" if ok else "warn",
+                 "registered staging buffers work for passthrough" if ok else
+                 "the kernel refuses passthrough from a registered buffer longer than max_segments pages "
+                 "(Linux 6.1): such staging buffers are used unregistered")
+
+
 def _read_one_block(dev: ExtentDevice, start: int) -> Check:
     from bladed.io import Engine, StagingBuffer
 
@@ -237,6 +219,6 @@ def _read_one_block(dev: ExtentDevice, start: int) -> Check:
         with Engine(dev, 2, [buf]) as eng:
             x = eng.read(start, buf, nbytes=lba)
         buf.close()
-        return Check("read", "ok", f"read LBA {start} through io_uring in {x.service_ns / 1e3:.0f} us")
+        return Check("read", "ok", f"read LBA {start} on the {dev.engine} engine in {x.service_ns / 1e3:.0f} us")
     except OSError as e:
         return Check("read", "fail", f"reading LBA {start} failed: {e}")

@@ -3,8 +3,10 @@
 Walks udev's view of sysfs with :mod:`pyudev` (subsystems ``nvme`` for
 controllers, ``nvme-generic`` for the ``/dev/ngXnY`` char devices that the
 NVMe-direct path uses, ``block`` for the ``nvmeXnY`` disks) and, where the
-char device can be opened, asks the controller itself (Identify) for MDTS
-and the namespace geometry.  Without the right to open the device (it is
+node can be opened, asks the controller itself (Identify) for MDTS and the
+namespace geometry.  A kernel before 5.13 makes no generic char devices: a
+namespace is then found by its block disk, and its node is ``/dev/nvmeXnY``
+(the NVMe backend takes it for ioctl passthrough; ``node`` says which).  Without the right to open the device (it is
 ``root:root 0600`` by default) the geometry still comes from sysfs and the
 Identify-only fields are ``None``.  A host without NVMe gives empty lists.
 
@@ -30,13 +32,15 @@ log = logging.getLogger(__name__)
 
 SECTOR = 512  # sysfs "size" is in 512-byte sectors, whatever the LBA size
 _GENERIC_NAME = re.compile(r"ng(\d+)n(\d+)")
+_BLOCK_NAME = re.compile(r"nvme(\d+)n(\d+)")    # a namespace's disk (not a partition, not a hidden path nvmeXcYnZ)
+_NODE_NAME = re.compile(r"(?:ng|nvme)(\d+)n(\d+)")
 
 
 @dataclass(frozen=True)
 class NvmeNamespaceInfo:
     """One NVMe namespace, as bladed would address it."""
 
-    char_device: str                 # /dev/ngXnY: what the NVMe backend opens
+    char_device: str                 # what the NVMe backend opens: /dev/ngXnY, or /dev/nvmeXnY (see node)
     block_device: str | None         # nvmeXnY (name under /sys/block), None if the kernel made no disk
     controller: str | None           # nvmeX; None for a multipath head reached through several
     nsid: int | None                 # None only without a disk and without the right to open the device
@@ -52,6 +56,8 @@ class NvmeNamespaceInfo:
     serial: str
     firmware: str
     identified: bool                 # geometry and MDTS came from Identify (else sysfs only)
+    node: str = "generic"            # "generic": char_device is /dev/ngXnY; "block": the kernel makes no
+                                     # generic node (before 5.13), char_device is the block node /dev/nvmeXnY
 
 
 @dataclass(frozen=True)
@@ -123,14 +129,10 @@ def _identify(char_device: str, nsid: int | None) -> NamespaceIdentity | None:
 
 
 def _namespace(ctx: pyudev.Context, gen: pyudev.Device, do_identify: bool) -> NvmeNamespaceInfo | None:
+    """The namespace of a generic char device ``ngXnY``, with its disk ``nvmeXnY`` if the kernel made one."""
     name = gen.sys_name
-    m = _GENERIC_NAME.fullmatch(name)
-    if not m:
+    if not _GENERIC_NAME.fullmatch(name):
         return None
-    char_device = gen.device_node or f"/dev/{name}"
-    parent = gen.parent
-    controller = parent.sys_name if parent is not None and parent.subsystem == "nvme" else None
-
     blk: pyudev.Device | None = None
     bname = block_name_for(name)
     if bname:
@@ -138,12 +140,25 @@ def _namespace(ctx: pyudev.Context, gen: pyudev.Device, do_identify: bool) -> Nv
             blk = pyudev.Devices.from_name(ctx, "block", bname)
         except pyudev.DeviceNotFoundError:
             blk = None
+    return _info(gen.device_node or f"/dev/{name}", "generic", gen.parent, blk, do_identify)
+
+
+def _block_namespace(blk: pyudev.Device, do_identify: bool) -> NvmeNamespaceInfo | None:
+    """The namespace of a disk ``nvmeXnY`` that has no generic char device (kernels before 5.13)."""
+    if not _BLOCK_NAME.fullmatch(blk.sys_name):
+        return None
+    return _info(blk.device_node or f"/dev/{blk.sys_name}", "block", blk.parent, blk, do_identify)
+
+
+def _info(node_path: str, node: str, parent: pyudev.Device | None, blk: pyudev.Device | None,
+          do_identify: bool) -> NvmeNamespaceInfo:
+    controller = parent.sys_name if parent is not None and parent.subsystem == "nvme" else None
     nsid = _attr_int(blk, "nsid")   # the name's "nY" is the head instance, not always the nsid
 
     lba_size = _attr_int(blk, "queue/logical_block_size")
     sectors = _attr_int(blk, "size")
     capacity_bytes = sectors * SECTOR if sectors is not None else None
-    ident = _identify(char_device, nsid) if do_identify else None
+    ident = _identify(node_path, nsid) if do_identify else None
     if ident is not None:
         nsid = ident.nsid
         lba_size = ident.lba_size
@@ -153,7 +168,7 @@ def _namespace(ctx: pyudev.Context, gen: pyudev.Device, do_identify: bool) -> Nv
     # model/serial: the controller's, or the subsystem's for a multipath head
     info_dev = parent
     return NvmeNamespaceInfo(
-        char_device=char_device,
+        char_device=node_path,
         block_device=blk.sys_name if blk is not None else None,
         controller=controller,
         nsid=nsid,
@@ -169,6 +184,7 @@ def _namespace(ctx: pyudev.Context, gen: pyudev.Device, do_identify: bool) -> Nv
         serial=_attr_str(info_dev, "serial") or (ident.serial if ident else ""),
         firmware=_attr_str(info_dev, "firmware_rev"),
         identified=ident is not None,
+        node=node,
     )
 
 
@@ -179,14 +195,15 @@ def _context(context: pyudev.Context | None) -> pyudev.Context:
 def _sort_key(ns: NvmeNamespaceInfo) -> tuple[int, ...]:
     # by controller, then NSID: the Y of ngXnY is the order the kernel found the namespace in, which
     # need not be NSID order (Linux 6.12 scans a controller's namespaces concurrently)
-    m = _GENERIC_NAME.search(ns.char_device)
+    m = _NODE_NAME.fullmatch(os.path.basename(ns.char_device))
     if not m:
         return (1 << 30,)
     return (int(m.group(1)), ns.nsid if ns.nsid is not None else 1 << 30, int(m.group(2)))
 
 
 def list_namespaces(*, identify: bool = True, context: pyudev.Context | None = None) -> list[NvmeNamespaceInfo]:
-    """Every NVMe namespace that has a generic char device, by controller and NSID.
+    """Every NVMe namespace, by controller and NSID: through its generic char device, or through its
+    disk where it has none (kernels before 5.13).
 
     ``identify=False`` never opens a device (sysfs only; MDTS is then None).
     """
@@ -196,6 +213,12 @@ def list_namespaces(*, identify: bool = True, context: pyudev.Context | None = N
         ns = _namespace(ctx, gen, identify)
         if ns is not None:
             out.append(ns)
+    with_generic = {ns.block_device for ns in out}
+    for blk in ctx.list_devices(subsystem="block"):
+        if blk.sys_name not in with_generic:
+            ns = _block_namespace(blk, identify)
+            if ns is not None:
+                out.append(ns)
     return sorted(out, key=_sort_key)
 
 
@@ -222,10 +245,12 @@ def list_controllers(*, identify: bool = True,
 
 def find_namespace(char_device: str, *, identify: bool = True,
                    context: pyudev.Context | None = None) -> NvmeNamespaceInfo | None:
-    """The namespace behind ``char_device`` (``/dev/ngXnY`` or a link to it), or None."""
+    """The namespace behind ``char_device`` (``/dev/ngXnY``, its block node ``/dev/nvmeXnY``, or a
+    link to either), or None."""
     want = os.path.realpath(char_device)
     for ns in list_namespaces(identify=identify, context=context):
-        if os.path.realpath(ns.char_device) == want:
+        if want in (os.path.realpath(ns.char_device),
+                    os.path.realpath(f"/dev/{ns.block_device}") if ns.block_device else None):
             return ns
     return None
 

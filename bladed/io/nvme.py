@@ -1,5 +1,15 @@
 """NVMe-direct backend: the generic char device ``/dev/ngXnY`` driven with
-NVMe READ/WRITE/DSM commands over ``io_uring_cmd`` (paper §IV-B).
+NVMe READ/WRITE/DSM commands over ``io_uring_cmd`` (paper §IV-B), or by
+passthrough ioctls on the portable engine.
+
+On a kernel without generic char devices (before 5.13) the backend takes the
+namespace's block node ``/dev/nvmeXnY`` instead: the same NVMe ioctls
+(NVME_IOCTL_ID, NVME_IOCTL_ADMIN_CMD, NVME_IOCTL_IO64_CMD) work on it, and
+``io_uring_cmd`` does not exist there anyway.  It is opened ``O_RDWR``
+without ``O_EXCL``, like the char device (which has no exclusive open):
+passthrough commands bypass the block layer, and the daemon, ``bladectl``
+and the tests open the namespace side by side.  A node that is mounted or
+claimed (an ``O_EXCL`` open says EBUSY) is refused when it is opened.
 
 Geometry comes from the controller itself: the namespace id (NVME_IOCTL_ID),
 LBA size, capacity and DLFEAT (Identify Namespace), MDTS (Identify
@@ -20,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bladed._uring import ffi, lib
+from bladed.io import engines
 from bladed.io.device import ExtentDevice
 from bladed.io.errors import BladedIOError, NVMeStatusError, errno_error
 from bladed.io.uring import HUGE_PAGE_SIZE, StagingBuffer
@@ -27,6 +38,8 @@ from bladed.sizes import PAGE_SIZE
 
 CNS_NAMESPACE = 0
 CNS_CONTROLLER = 1
+#: I/O Command Set specific Identify Controller (CSI 0, NVM): holds DMRSL
+CNS_CS_CONTROLLER = 6
 #: the controller's memory page (CAP.MPSMIN, 4 KiB; Linux's NVME_CTRL_PAGE_SIZE): the unit of MDTS
 NVME_PAGE_SIZE = 4096
 
@@ -66,6 +79,21 @@ def identify(fd: int, nsid: int, cns: int) -> bytes:
     return bytes(ffi.buffer(buf, 4096))
 
 
+def dsm_range_limit(fd: int) -> int:
+    """DMRSL, the most blocks one Dataset Management range may cover (0: no limit, or not reported).
+
+    Linux 6.1 turns it into ``discard_max_hw_bytes``; 5.10 reports the block
+    layer's maximum there instead (2199023255040 bytes in the test VM), and QEMU
+    silently skips a longer range while completing the command with success, so
+    bladed asks the controller itself.
+    """
+    try:
+        data = identify(fd, 0, CNS_CS_CONTROLLER)
+    except OSError:   # a controller that does not know CNS 06h (Invalid Field), or no right to send Identify
+        return 0
+    return int(struct.unpack_from("<I", data, 4)[0])
+
+
 def parse_identity(nsid: int, ns: bytes, ctrl: bytes) -> NamespaceIdentity:
     nsze = struct.unpack_from("<Q", ns, 0)[0]
     nlbaf = ns[25] + 1
@@ -84,13 +112,33 @@ def parse_identity(nsid: int, ns: bytes, ctrl: bytes) -> NamespaceIdentity:
     )
 
 
-def block_sysfs_of(char_path: str) -> str | None:
-    """``/sys/block/nvmeXnY`` for ``/dev/ngXnY``, if present."""
-    m = re.fullmatch(r"ng(\d+)n(\d+)", os.path.basename(os.path.realpath(char_path)))
+_NODE_NAME = re.compile(r"(?:ng|nvme)(\d+)n(\d+)")
+
+
+def block_sysfs_of(path: str) -> str | None:
+    """``/sys/block/nvmeXnY`` for ``/dev/ngXnY`` or ``/dev/nvmeXnY``, if present."""
+    m = _NODE_NAME.fullmatch(os.path.basename(os.path.realpath(path)))
     if not m:
         return None
     d = f"/sys/block/nvme{m.group(1)}n{m.group(2)}"
     return d if os.path.isdir(d) else None
+
+
+def _block_node_problem(path: str, st: os.stat_result) -> str | None:
+    """Why the NVMe backend must not take the block node ``path``, or None."""
+    sysdir = f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    name = os.path.basename(os.path.realpath(sysdir))
+    if os.path.exists(os.path.join(sysdir, "partition")):
+        return (f"{path} is a partition ({name}); NVMe commands address the whole namespace: "
+                "give the namespace (/dev/ngXnY, or /dev/nvmeXnY before Linux 5.13)")
+    m = _NODE_NAME.fullmatch(name)
+    if m is None or not name.startswith("nvme"):
+        return f"{path} ({name}) is not an NVMe namespace (want /dev/ngXnY, or /dev/nvmeXnY before Linux 5.13)"
+    generic = f"ng{m.group(1)}n{m.group(2)}"
+    if os.path.exists(f"/sys/class/nvme-generic/{generic}"):
+        return (f"{path} is not a character device: use /dev/{generic}, the namespace's generic node "
+                "(io_uring passthrough needs it; the block node is for kernels without one, before 5.13)")
+    return None
 
 
 def _read_int(path: str, default: int) -> int:
@@ -118,7 +166,8 @@ def transfer_limits(ident: NamespaceIdentity, sysfs_block: str | None) -> tuple[
 
 
 class NvmeDevice(ExtentDevice):
-    """An NVMe namespace through its generic char device (``/dev/ngXnY``)."""
+    """An NVMe namespace through its generic char device (``/dev/ngXnY``), or through its block
+    node (``/dev/nvmeXnY``) on a kernel that makes no generic one."""
 
     kind = "nvme"
     c_kind = lib.BD_KIND_NVME
@@ -131,8 +180,22 @@ class NvmeDevice(ExtentDevice):
             st = os.stat(self.path)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "NVMe generic device does not exist", self.path) from None
-        if not stat.S_ISCHR(st.st_mode):
-            raise BladedIOError(errno.ENODEV, f"{self.path} is not a character device (want /dev/ngXnY)")
+        if stat.S_ISBLK(st.st_mode):
+            problem = _block_node_problem(self.path, st)
+            if problem:
+                raise BladedIOError(errno.ENODEV, problem)
+            self.node = "block"
+            try:   # mounted, swap, or claimed by a holder: refuse (the claim is not kept: see the module doc)
+                os.close(os.open(self.path, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC))
+            except OSError as e:
+                if e.errno == errno.EBUSY:
+                    raise BladedIOError(errno.EBUSY, f"{self.path} is in use (mounted or claimed)") from e
+                raise
+        elif stat.S_ISCHR(st.st_mode):
+            self.node = "generic"
+        else:
+            raise BladedIOError(errno.ENODEV, f"{self.path} is not a character device (want /dev/ngXnY, "
+                                "or /dev/nvmeXnY before Linux 5.13)")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         try:
             nsid = lib.bd_nvme_ns_id(self.fd)
@@ -154,9 +217,12 @@ class NvmeDevice(ExtentDevice):
         self.sysfs_block = block_sysfs_of(self.path)
         self.max_transfer_bytes, self.max_transfer_bytes_huge = transfer_limits(ident, self.sysfs_block)
         self.zeroes_after_discard = ident.deallocate_reads_zeroes
-        # one DSM range may not exceed DMRSL (the kernel exposes it as
-        # discard_max_hw_bytes); QEMU silently skips a longer range
+        # one DSM range may not exceed DMRSL (6.1 exposes it as discard_max_hw_bytes, 5.10 does
+        # not: asked of the controller too); QEMU silently skips a longer range
         self.max_discard_blocks = self._queue_blocks("discard_max_hw_bytes", 0xFFFFFFFF)
+        dmrsl = dsm_range_limit(self.fd)
+        if dmrsl:
+            self.max_discard_blocks = min(self.max_discard_blocks, dmrsl)
         self.max_zeroes_blocks = self._queue_blocks("write_zeroes_max_bytes", 65536)
         self._fixed_ok: bool | None = None
         self.max_segments = 127
@@ -171,7 +237,9 @@ class NvmeDevice(ExtentDevice):
     def fixed_buffers_usable(self, buffers: Sequence[StagingBuffer]) -> bool:
         """Registered buffers no longer than ``max_segments`` pages work on every
         kernel with fixed-buffer passthrough (6.1+); larger ones need
-        :meth:`fixed_buffers_supported`."""
+        :meth:`fixed_buffers_supported`.  Never on the portable engine, which registers nothing."""
+        if self.engine != engines.URING:
+            return False
         return all(b.nbytes <= self.max_segments * PAGE_SIZE for b in buffers) or self.fixed_buffers_supported()
 
     def fixed_buffers_supported(self) -> bool:
@@ -184,6 +252,8 @@ class NvmeDevice(ExtentDevice):
         device with a read of one block into the start of a registered buffer
         one page longer than ``max_segments`` (a read: the device is untouched).
         """
+        if self.engine != engines.URING:
+            return False   # ioctl passthrough: nothing registered (and no io_uring_cmd to probe with before 5.19)
         if self._fixed_ok is None:
             from bladed.io.uring import Op, Ring, Transfer
 

@@ -24,9 +24,16 @@ def ns_name(nsid: int, controller: str = "nvme0") -> str:
     return f"{controller}n{nsid}"
 
 
+#: whether the guest kernel makes NVMe generic char devices /dev/ngXnY (5.13+; not Debian 11's 5.10)
+GENERIC_NODES = os.path.isdir("/sys/class/nvme-generic")
+
+
 def ng_path(nsid: int, controller: str = "nvme0") -> str:
-    """The generic char device (``/dev/ng0nY``) of namespace ``nsid``."""
+    """The node the NVMe backend opens for namespace ``nsid``: its generic char device
+    (``/dev/ng0nY``), or its block node (``/dev/nvme0nY``) on a kernel without generic nodes."""
     name = ns_name(nsid, controller)
+    if not GENERIC_NODES:
+        return f"/dev/{name}"
     return f"/dev/ng{controller[4:]}n{name[len(controller) + 1:]}"
 
 

@@ -72,6 +72,11 @@ def test_daemon_on_the_namespace_with_a_client_in_the_vm(vm_config: VMConfig) ->
         dev.close()
 
 
+# bladectl's storage commands (bladed/cli/storage.py, target_backend) take /dev/nvmeXnY for the block backend
+NS_CHECK_AS_NVME = "`bladectl ns check/setup` take a block node /dev/nvmeXnY as the block backend"
+
+
+@pytest.mark.kernel_feature("nvme_generic_chardev", reason=NS_CHECK_AS_NVME)
 def test_bladectl_sees_the_controller_and_accepts_the_namespace(vm_config: VMConfig) -> None:
     runner = CliRunner()
     listed = json.loads(runner.invoke(cli, ["ns", "list", "--json"]).output)
@@ -94,6 +99,7 @@ def current_lba() -> int:
         dev.close()
 
 
+@pytest.mark.kernel_feature("nvme_generic_chardev", reason=NS_CHECK_AS_NVME)
 def test_ns_setup_formats_the_namespace_only_when_confirmed(vm_config: VMConfig, tmp_path) -> None:
     """Format NVM to the other LBA size and back (the namespace is the VM's throw-away one)."""
     lba = vm_config.lba_size

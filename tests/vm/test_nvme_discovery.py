@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from nvmevm import NG_PATH, NS_NAME, VMConfig, ng_path
+from nvmevm import GENERIC_NODES, NG_PATH, NS_NAME, VMConfig, ng_path
 
 from bladed.io.discovery import (
     NvmeNamespaceInfo,
@@ -31,6 +31,8 @@ def test_finds_every_namespace_of_the_vm(vm_config: VMConfig) -> None:
     found = list_namespaces()
     assert [ns.nsid for ns in found] == list(range(1, vm_config.namespaces + 1))
     assert [ns.char_device for ns in found] == [ng_path(k) for k in range(1, vm_config.namespaces + 1)]
+    # before 5.13 (no /dev/ngXnY) each namespace is found by its disk, and its block node is what to open
+    assert {ns.node for ns in found} == {"generic" if GENERIC_NODES else "block"}
 
 
 def test_namespace_values_match_identify_and_sysfs(nvme_dev: NvmeDevice, vm_config: VMConfig) -> None:
@@ -49,6 +51,7 @@ def test_namespace_values_match_identify_and_sysfs(nvme_dev: NvmeDevice, vm_conf
     assert ns.discard_max_hw_bytes == _queue(NS_NAME, "discard_max_hw_bytes")
     assert ns.serial == "nvmevm0" and ns.model == nvme_dev.identity.model
     assert json.loads(json.dumps(as_dict(ns)))["char_device"] == NG_PATH
+    assert find_namespace(f"/dev/{NS_NAME}") == ns        # by its block node too
 
 
 def test_controller_lists_its_namespaces(vm_config: VMConfig) -> None:

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+import pytest
 from nvmevm import NG_PATH
 from systemdvm import UNPRIVILEGED_PASSTHROUGH
 
@@ -54,6 +55,7 @@ def _as_nobody(dev: NvmeDevice) -> dict[str, Any]:
     return forked_as(NOBODY, body)
 
 
+@pytest.mark.kernel_feature("nvme_generic_chardev", reason="this is what /dev/ngXnY lets a user do")
 def test_passthrough_without_capabilities() -> None:
     dev = NvmeDevice(NG_PATH)          # opened read-write by root, as systemd hands bladed its device
     try:
