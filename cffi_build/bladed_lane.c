@@ -20,7 +20,18 @@
 #include "bladed_lane.h"
 #include "bladed_uring.h"
 
-#define PAGE 4096u
+/* The kernel's page size (4, 16 or 64 KiB on arm64): cachestat and mincore count in its pages. */
+static uint64_t kernel_page(void)
+{
+    static uint64_t page;
+    uint64_t p = __atomic_load_n(&page, __ATOMIC_RELAXED);
+    if (p == 0) {
+        long v = sysconf(_SC_PAGESIZE);
+        p = v > 0 ? (uint64_t)v : 4096u;
+        __atomic_store_n(&page, p, __ATOMIC_RELAXED);
+    }
+    return p;
+}
 
 _Static_assert(sizeof(((struct bd_lane_counters *)0)->buckets[0][0]) / sizeof(uint64_t) == BD_LANE_BOUNDS + 1,
                "one bucket per bound and one past the last");
@@ -128,7 +139,8 @@ static int by_value(const void *a, const void *b)
 /* The fraction of [off, off + n) resident, measured before the copy, as bytes (cachestat, else mincore). */
 static uint64_t resident_bytes(const struct bd_kpu_gate *g, uint64_t off, uint64_t n)
 {
-    uint64_t first = off / PAGE, pages = (off + n + PAGE - 1) / PAGE - first, cs[5], cached;
+    const uint64_t page = kernel_page();
+    uint64_t first = off / page, pages = (off + n + page - 1) / page - first, cs[5], cached;
     if (pages == 0)
         return n;
     if (bd_cachestat(g->fd, off, n, cs) == 0) {
@@ -138,7 +150,7 @@ static uint64_t resident_bytes(const struct bd_kpu_gate *g, uint64_t off, uint64
         cached = 0;
         for (uint64_t p = 0; p < pages;) {
             uint64_t k = pages - p < sizeof(vec) ? pages - p : sizeof(vec);
-            if (mincore((void *)(uintptr_t)(g->base + (first + p) * PAGE), k * PAGE, vec) != 0)
+            if (mincore((void *)(uintptr_t)(g->base + (first + p) * page), k * page, vec) != 0)
                 return 0;
             for (uint64_t i = 0; i < k; i++)
                 cached += vec[i] & 1;
@@ -146,7 +158,7 @@ static uint64_t resident_bytes(const struct bd_kpu_gate *g, uint64_t off, uint64
         }
     }
     if (cached < pages) {         /* start reading the whole range now rather than fault by fault */
-        uint64_t start = first * PAGE;
+        uint64_t start = first * page;
         madvise((void *)(uintptr_t)(g->base + start), off + n - start, MADV_WILLNEED);
     }
     return (uint64_t)((double)cached / (double)pages * (double)n + 0.5);

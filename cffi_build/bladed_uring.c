@@ -42,6 +42,9 @@
 #define NVME_DSM_ATTR_DEALLOCATE (1U << 2)
 #define DSM_MAX_NLB 0xffffffffu            /* a DSM range's NLB is 32 bits, 1-based */
 #define HUGE_2M (2u << 20)
+#ifndef MAP_HUGE_2MB
+#define MAP_HUGE_2MB (21 << MAP_HUGE_SHIFT)   /* log2(2 MiB) in the size field (linux/mman.h) */
+#endif
 
 struct bd_dsm_range {                       /* NVMe DSM range: nlb is 1-based */
     uint32_t cattr;
@@ -1035,7 +1038,10 @@ void *bd_staging_alloc(uint64_t len, int *how)
     if (len == 0 || len > SIZE_MAX - HUGE_2M)   /* len + HUGE_2M below must not wrap */
         return NULL;
     if (len % HUGE_2M == 0) {
-        p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+        /* 2 MiB pages by name: the default huge page is 32 MiB / 512 MiB on 16 / 64 KiB-page arm64 kernels,
+         * and a mapping of those could neither be freed by munmap(p, len) nor be what HUGE_2M means */
+        p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_2MB, -1, 0);
         if (p != MAP_FAILED) {
             *how = 2;
             return p;

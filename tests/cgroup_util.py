@@ -105,6 +105,10 @@ class ChildCgroup:
     def add(self, pid: int) -> None:
         _write(os.path.join(self.path, "cgroup.procs"), str(pid))
 
+    def release(self, pid: int) -> None:
+        """Move ``pid`` back to the parent cgroup."""
+        _write(os.path.join(self.parent_path, "cgroup.procs"), str(pid))
+
     def procs(self) -> list[int]:
         with open(os.path.join(self.path, "cgroup.procs")) as f:
             return [int(x) for x in f.read().split()]
@@ -117,7 +121,7 @@ class ChildCgroup:
             return
         for pid in self.procs():
             with contextlib.suppress(ProcessLookupError, OSError):
-                _write(os.path.join(self.parent_path, "cgroup.procs"), str(pid))
+                self.release(pid)
         # a v1 cgroup may still hold page-cache charges; rmdir reparents them
         os.rmdir(self.path)
 

@@ -327,6 +327,10 @@ def test_the_mounted_root_disk_is_in_use(nowhere: str) -> None:
     assert one_line(run("ns", "setup", disk, "-o", cfg, cwd=nowhere), 1) == line and not os.path.exists(cfg)
     assert one_line(run("ns", "check", disk, "--backend", "file", cwd=nowhere), 2) == (
         f"{disk} is a block device, not what --backend file uses; give --backend block (or leave --backend auto)")
+    # --backend nvme takes a block node only if it is a whole NVMe namespace the kernel gives no /dev/ngXnY
+    line = one_line(run("ns", "check", disk, "--backend", "nvme", cwd=nowhere), 2)
+    assert line.startswith(f"{disk} (") and line.endswith("is not an NVMe namespace (want /dev/ngXnY, or "
+                                                          "/dev/nvmeXnY before Linux 5.13)"), line
 
 
 @pytest.mark.root

@@ -21,6 +21,7 @@ from bladed.residency import (
     plan_session,
     replan,
 )
+from bladed.sizes import PAGE_SIZE
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -74,7 +75,7 @@ def test_geometry_rejects_bad_fields(field: str, value: object, err: type) -> No
 def test_algorithm1_layer_order(g: Geometry, lba: int, budget: int, frac: float) -> None:
     x = int(budget * frac)
     p = plan_session(g, Mode.DUALBLADE, budget, lba, group1_limit_bytes=x)
-    s_kpu = -(-g.kpu_bytes // 4096) * 4096                       # as the page cache holds it
+    s_kpu = -(-g.kpu_bytes // PAGE_SIZE) * PAGE_SIZE             # as the page cache holds it
     n1 = min(x // (2 * s_kpu), g.layers)                          # line 1
     assert p.group1_layers == n1 and p.group1_limit_bytes == x
     assert [k.tensor_id for k in p.kpus] == list(range(2 * g.layers))
@@ -183,7 +184,7 @@ def test_packed_kpus_take_their_bytes_rounded_up_to_one_lba(g: Geometry, lba: in
 def test_kpu_fill_uses_the_remainder(g: Geometry, budget: int) -> None:
     pair = plan_session(g, Mode.DUALBLADE, budget, 4096)
     fill = plan_session(g, Mode.DUALBLADE, budget, 4096, "kpu-fill")
-    s = -(-g.kpu_bytes // 4096) * 4096
+    s = -(-g.kpu_bytes // PAGE_SIZE) * PAGE_SIZE
     assert len(fill.group1()) == min(budget // s, 2 * g.layers)
     assert fill.group1_bytes <= budget
     assert {k.tensor_id for k in pair.group1()} <= {k.tensor_id for k in fill.group1()}

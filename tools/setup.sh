@@ -17,7 +17,8 @@ WANT_VM=1
 
 say() { echo "setup: $*" >&2; }
 
-APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap redis-server)
+APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap redis-server
+          qemu-user-static binfmt-support qemu-system-arm)  # the last three: tools/arm64 (arm64 under emulation)
 [ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev)
 missing=()
 for p in "${APT_PKGS[@]}"; do

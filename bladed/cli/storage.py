@@ -19,6 +19,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladed.io.nvme import block_node_problem
 from bladed.server.storage.journal import LOCK
 
 KINDS = {"file": "plain file", "block": "block device", "nvme": "character device (NVMe namespace)"}
@@ -56,6 +57,12 @@ def target_backend(path: str, requested: str = "auto") -> str:
                                "`bladectl ns list`", "not_a_namespace", usage=True)
     elif stat.S_ISBLK(st.st_mode):
         kind = "block"
+        if requested == "nvme":
+            # the NVMe backend takes a namespace's block node where the kernel makes no /dev/ngXnY (before 5.13)
+            problem = block_node_problem(path, st)
+            if problem:
+                raise StorageError(problem, "not_a_namespace", usage=True)
+            kind = "nvme"
     elif stat.S_ISREG(st.st_mode):
         kind = "file"
     else:

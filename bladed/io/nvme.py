@@ -124,7 +124,7 @@ def block_sysfs_of(path: str) -> str | None:
     return d if os.path.isdir(d) else None
 
 
-def _block_node_problem(path: str, st: os.stat_result) -> str | None:
+def block_node_problem(path: str, st: os.stat_result) -> str | None:
     """Why the NVMe backend must not take the block node ``path``, or None."""
     sysdir = f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
     name = os.path.basename(os.path.realpath(sysdir))
@@ -181,7 +181,7 @@ class NvmeDevice(ExtentDevice):
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "NVMe generic device does not exist", self.path) from None
         if stat.S_ISBLK(st.st_mode):
-            problem = _block_node_problem(self.path, st)
+            problem = block_node_problem(self.path, st)
             if problem:
                 raise BladedIOError(errno.ENODEV, problem)
             self.node = "block"
