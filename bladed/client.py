@@ -70,11 +70,13 @@ from bladed.protocol import (
     send_frame,
 )
 from bladed.residency.geometry import GEOMETRY_FIELDS, dtype_bytes, tensor_id, tensor_of
+from bladed.residency.planner import Mode
 from bladed.sizes import align_up
 
 log = logging.getLogger(__name__)
 
-MODES = ("baseline", "cachepolicy", "direct", "dualblade")
+#: the residency modes by their names; ``open_session`` takes the paper's Table III labels too (``Mode.parse``)
+MODES = tuple(m.value for m in Mode)
 _OP_NAMES = {IOOp.WRITE: "write", IOOp.READ: "read"}
 
 __all__ = [
@@ -282,10 +284,12 @@ class Client:
         return self.call_async(op, fds, **fields).result(self._timeout)
 
     # -- sessions ----------------------------------------------------------------
-    def open_session(self, geometry: Any, mode: str = "dualblade", channels: int = 2,
+    def open_session(self, geometry: Any, mode: str | Mode = "dualblade", channels: int = 2,
                      staging_bytes: int | None = None, *, slot_bytes: int | None = None, pin: bool | None = None,
                      checksums: bool | None = None, prefix: PrefixKey | None = None) -> Session:
         """Open a session: the daemon plans it (Algorithm 1) and binds its extents (Eq. 3-6).
+
+        ``mode``: a name of :data:`MODES` or the paper's Table III label of one (``Dual-Blade``, ...).
 
         Each channel gets a staging slot of ``slot_bytes`` (default: one KPU,
         which the default range layout mirrors; more lets one request carry
@@ -301,8 +305,11 @@ class Client:
         before the reply, and :attr:`Session.prefix_tokens` says how many
         leading tokens are there (docs/protocol.md, "Prefix reuse").
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        try:
+            mode = Mode.parse(mode).value      # the paper's label (Dual-Blade, NVMe-direct-Only, ...) goes as the name
+        except ValueError as e:
+            raise ValueError(f"mode: {e}, or the paper's Table III label of one (Baseline, CachePolicy-Only, "
+                             f"NVMe-direct-Only, Dual-Blade)") from None
         if channels < 1:
             raise ValueError(f"channels must be >= 1, got {channels}")
         extra: dict[str, Any] = {} if slot_bytes is None else {"slot_bytes": slot_bytes}

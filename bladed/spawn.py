@@ -25,6 +25,9 @@ class SpawnError(RuntimeError):
 class PrivateDaemon:
     """``python -m bladed.server ARGS`` started by :meth:`start`, awaited by :meth:`wait_ready`, ended by :meth:`stop`.
 
+    As a context manager: entering starts it (unless :meth:`start` already did; it does not wait, call
+    :meth:`wait_ready`), leaving stops it however the block is left.
+
     ``args``: the server's options (``--config PATH``, ``--state-dir DIR``); ``env``: the child's environment
     (default: this one), with ``NOTIFY_SOCKET`` set on top; ``wrap``: turns the argv into the one to run (a
     cgroup launcher); ``log_path``: where its stdout and stderr go (``log_mode`` ``"a"`` or ``"w"``), or
@@ -147,7 +150,7 @@ class PrivateDaemon:
         return None if self.proc is None else self.proc.returncode
 
     def __enter__(self) -> PrivateDaemon:
-        return self
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -140,6 +140,18 @@ def test_staging_size_is_checked(daemon: DaemonProcess) -> None:
             c.open_session(GEO, mode="fast")
 
 
+def test_the_papers_mode_labels_open_the_mode_they_name(daemon: DaemonProcess) -> None:
+    """Table III's labels are accepted (bladed.residency.planner.Mode.parse) and sent as the mode's name."""
+    with Client(daemon.socket_path) as c:
+        for label, name in (("Dual-Blade", "dualblade"), ("NVMe-direct-Only", "direct"),
+                            ("CachePolicy-Only", "cachepolicy"), ("Baseline", "baseline"), ("DualBlade", "dualblade")):
+            with c.open_session(GEO, mode=label, channels=1) as s:
+                assert s.plan["mode"] == name, label
+        with pytest.raises(ValueError, match=r"^mode: unknown residency mode 'Dual Blade': choose one of baseline, "
+                                             r"cachepolicy, direct, dualblade, or the paper's Table III label"):
+            c.open_session(GEO, mode="Dual Blade")
+
+
 def test_no_daemon_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(DaemonLostError, match=r"^no bladed socket at .*none\.sock \(given as socket_path; "):
         Client(str(tmp_path / "none.sock"))

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -638,6 +639,29 @@ def test_fuzzed_input_never_kills_the_daemon(daemon: DaemonProcess, junk: bytes)
     r = Raw(daemon.socket_path)
     assert r.call({"op": "status", "id": 1})["ok"]
     r.close()
+
+
+def _top_level_fields(cell: str) -> set[str]:
+    """The backquoted names of a reply-fields cell outside any parentheses (what a field holds is inside)."""
+    depth, flat = 0, []
+    for ch in cell:
+        depth += ch == "("
+        if not depth:
+            flat.append(ch)
+        depth -= ch == ")" and depth > 0
+    return set(re.findall(r"`(\w+)`", "".join(flat)))
+
+
+def test_protocol_doc_lists_every_field_of_the_status_reply(daemon: DaemonProcess) -> None:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "protocol.md")) as f:
+        (row,) = [ln for ln in f if ln.startswith("| `status` |")]
+    with Client(daemon.socket_path) as c:
+        status = c.status()
+    assert _top_level_fields(row.split("|")[2]) == set(status)
+    assert set(status["engine"]) == {"engine", "reason"} and status["engine"]["engine"] in ("uring", "portable")
+    assert set(status["budget"]) == {"pagecache_budget_bytes", "usable_bytes", "cgroup", "cgroup_version"}
+    for field in status["device"]:
+        assert f"`{field}`" in row, field
 
 
 def test_protocol_doc_lists_every_op_and_error_code() -> None:

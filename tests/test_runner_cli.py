@@ -208,6 +208,8 @@ USAGE = {
     "percent-negative": (["--percent", "100", "0", "0", "-5", "100", "0"],
                          "--percent 100 0 0 -5 100 0: the cache cpu share -5 is outside 0..100; " + PERCENT_FIX),
     "unknown-model": (["--model", "gpt-5"], f"--model: unknown model 'gpt-5'; use {MODEL_CHOICES}"),
+    "unknown-mode": (["--mode", "fast"], "argument --mode: unknown residency mode 'fast': choose one of baseline, "
+                     "cachepolicy, direct, dualblade; see bladed-runner --help"),
     "not-a-number": (["--gen-len", "many"], "argument --gen-len: invalid int value: 'many'; see bladed-runner --help"),
     "prompt-and-prompt-len": (["--prompt", "hi", "--prompt-len", "4"],
                               "argument --prompt-len: not allowed with argument --prompt; see bladed-runner --help"),

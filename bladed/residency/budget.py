@@ -37,7 +37,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -97,6 +97,17 @@ class BudgetBreakdown:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"pinned_bytes": self.pinned_bytes}
 
+    def with_staging(self, copy_threads: int, pinned_per_thread_bytes: int,
+                     pinned_elsewhere_bytes: int) -> BudgetBreakdown:
+        """Eq. 2 of this same reading for other staging terms (a new session's ``N_threads`` and ``M_pin``,
+        the open sessions' ``M_pin,others``): Eq. 1's figures are kept, nothing is read again."""
+        uncharged, computed, b_pc = _eq2(self.usable_bytes, self.shmem_bytes, copy_threads,
+                                         pinned_per_thread_bytes, pinned_elsewhere_bytes, self.kernel_overhead,
+                                         self.override_bytes, self.cap_bytes)
+        return replace(self, copy_threads=copy_threads, pinned_per_thread_bytes=pinned_per_thread_bytes,
+                       pinned_elsewhere_bytes=pinned_elsewhere_bytes, pinned_uncharged_bytes=uncharged,
+                       pagecache_budget_computed_bytes=computed, pagecache_budget_bytes=b_pc)
+
     def describe(self) -> str:
         """One line for logs and ``bladectl``."""
         mib = 1 << 20
@@ -109,6 +120,19 @@ class BudgetBreakdown:
                 f"uncharged staging {self.pinned_uncharged_bytes / mib:.0f}) / {1 + self.kernel_overhead:g} ; "
                 f"M* = min(M_avail={self.host_available_bytes / mib:.0f}, M_max={self.memory_limit_bytes / mib:.0f} - "
                 f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f}) MiB [{self.cgroup_version} {self.cgroup or 'host'}]")
+
+
+def _eq2(usable: int, shmem: int, copy_threads: int, pinned_per_thread: int, pinned_elsewhere: int,
+         kernel_overhead: float, override: int | None, cap: int | None) -> tuple[int, int, int]:
+    """Eq. 2 as bladed computes it: ``(M_pin,uncharged, B_pc computed, B_pc after override / cap)``.
+
+    The open sessions' staging that is already shmem is in ``M_anon+shmem`` (at most all of the cgroup's
+    shmem); the new session's is not touched yet.  The page cache's own kernel memory is charged with it."""
+    uncharged = copy_threads * pinned_per_thread + max(0, pinned_elsewhere - shmem)
+    computed = int(max(0, usable - uncharged) / (1.0 + kernel_overhead))
+    if override is not None:
+        return uncharged, computed, override
+    return uncharged, computed, computed if cap is None else min(computed, cap)
 
 
 SampleCallback = Callable[[BudgetBreakdown], object]
@@ -190,17 +214,9 @@ class Budgeter:
         m_anon_shmem = reading.anon + reading.shmem
         cg_side = m_max - m_anon_shmem
         m_star = min(m_avail, cg_side)                                     # Eq. 1
-        # Eq. 2: the open sessions' staging that is already shmem is in M_anon+shmem (at most all of the
-        # cgroup's shmem); the new session's is not touched yet. The page cache's own kernel memory is
-        # charged with it
-        uncharged = (self.copy_threads * self.pinned_per_thread_bytes
-                     + max(0, self.pinned_elsewhere_bytes - reading.shmem))
-        computed = int(max(0, m_star - uncharged) / (1.0 + self.kernel_overhead))
-        b_pc = computed
-        if self.override_bytes is not None:
-            b_pc = self.override_bytes
-        elif self.cap_bytes is not None:
-            b_pc = min(b_pc, self.cap_bytes)
+        uncharged, computed, b_pc = _eq2(m_star, reading.shmem, self.copy_threads, self.pinned_per_thread_bytes,
+                                         self.pinned_elsewhere_bytes, self.kernel_overhead, self.override_bytes,
+                                         self.cap_bytes)                   # Eq. 2
         b = BudgetBreakdown(
             host_available_bytes=m_avail, memory_limit_bytes=m_max, anon_shmem_bytes=m_anon_shmem,
             usable_bytes=m_star, copy_threads=self.copy_threads, pinned_per_thread_bytes=self.pinned_per_thread_bytes,

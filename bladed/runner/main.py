@@ -21,10 +21,12 @@ from typing import Any, NoReturn
 
 import torch
 
+from bladed.client import MODES
 from bladed.config import ConfigError
 from bladed.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
 from bladed.pipeline import PIPELINE_MODES
 from bladed.protocol import BladedError, DaemonLostError, PermissionDeniedError, ShuttingDownError
+from bladed.residency.planner import Mode
 from bladed.runner.generation import GenerationResult, Policy, Runner
 from bladed.runner.models import gib, kv_bytes
 from bladed.runner.progress import Progress
@@ -32,7 +34,6 @@ from bladed.runner.weights import MODEL_CHOICES, SMOLLM2, load_model, model_kind
 from bladed.spawn import PrivateDaemon, SpawnError
 
 PROG = "bladed-runner"
-MODES = ("baseline", "cachepolicy", "direct", "dualblade")
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_PROMPT = "What is the capital of France?"
 #: the prompt length for models without a tokenizer (and so without --prompt)
@@ -73,6 +74,14 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+def mode_name(v: str) -> str:
+    """``--mode``: a residency mode's name or the paper's Table III label of one (``Dual-Blade``, ...)."""
+    try:
+        return Mode.parse(v).value
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def str2bool(v: str) -> bool:
@@ -149,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps the faster per path; off: read, then copy, one after another")
     p.add_argument("--copy-threads", type=int, default=2,
                    help="copy threads, one staging slot each in every KV session (K on thread 0, V on thread 1)")
-    p.add_argument("--mode", choices=MODES, default="dualblade", help="bladed residency mode of the KV sessions")
+    p.add_argument("--mode", type=mode_name, default="dualblade", metavar="{" + ",".join(MODES) + "}",
+                   help="bladed residency mode of the KV sessions (or the paper's label: Dual-Blade, Baseline, ...)")
     p.add_argument("--backend", choices=("bladed", "memory"), default="bladed",
                    help="where offloaded KV goes: bladed (the daemon) or memory (in this process, the reference)")
     p.add_argument("--socket", default=None,

@@ -3,8 +3,10 @@
 Threads: the main thread accepts connections and handles signals; each
 connection has a thread of its own (:mod:`bladed.server.wire.connection`): a control
 connection serves JSON requests, a data connection the binary I/O of one
-channel of a session, each request on that thread.  The budget sampler and the
-demotion worker belong to the live re-planner (:mod:`bladed.server.sessions.replan`).
+channel of a session, each request on that thread.  The page-cache budget is
+read from the sessions wing's one sampler (:mod:`bladed.server.sessions.budget_reading`),
+which the live re-planner schedules beside its demotion worker
+(:mod:`bladed.server.sessions.replan`).
 
 Signals: SIGTERM/SIGINT drain the requests in progress, TRIM every extent,
 remove the page-cache files and exit 0; SIGHUP reloads what can be reloaded
@@ -36,6 +38,7 @@ from bladed.server.daemon.preflight import check_paths
 from bladed.server.daemon.systemd import sd_notify, setup_logging
 from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
+from bladed.server.sessions.budget_reading import REQUEST_MAX_AGE_S
 from bladed.server.sessions.manager import SessionManager
 from bladed.server.storage.journal import Journal
 from bladed.server.storage.pagecache_store import sweep_pagecache
@@ -70,7 +73,6 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self._conns: set[Connection] = set()
         self._conns_lock = threading.Lock()
-        self._last_budget: dict[str, Any] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._signals: list[int] = []
 
@@ -108,7 +110,6 @@ class Daemon:
                 self.listener = None
             self.journal.release()
             raise
-        self._sample_budget()
         # keep re-sampling B_pc and demote live sessions' KPUs when it shrinks (bladed.server.sessions.replan)
         self.manager.replanner.start()
         desc = self.device.describe()
@@ -166,20 +167,15 @@ class Daemon:
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ, "accept")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        next_budget = time.monotonic() + self.cfg.budget.interval_s
         try:
             while not self.stopping.is_set():
-                timeout = max(0.0, next_budget - time.monotonic())
-                for key, _ in sel.select(timeout):
+                for key, _ in sel.select(1.0):
                     if key.data == "accept":
                         self._accept()
                     else:
                         with contextlib.suppress(BlockingIOError):
                             self._wake_r.recv(512)
                 self._dispatch_signals()
-                if time.monotonic() >= next_budget:
-                    self._sample_budget()
-                    next_budget = time.monotonic() + self.cfg.budget.interval_s
         finally:
             sel.close()
             signal.set_wakeup_fd(-1)
@@ -264,7 +260,7 @@ class Daemon:
     # -- reporting -------------------------------------------------------------------------------
     def gauges(self) -> dict[str, Any]:
         """The live values of ``stats`` and of the Prometheus gauges (metrics.Collector)."""
-        b = self._last_budget
+        b = self.manager.budget.report()
         budget = {k: v for k, v in b.items()
                   if k in ("host_available_bytes", "memory_limit_bytes", "anon_shmem_bytes", "usable_bytes",
                            "pagecache_budget_bytes", "pagecache_budget_computed_bytes", "file_bytes",
@@ -279,16 +275,9 @@ class Daemon:
                 "replan": self.manager.replanner.to_dict(),
                 "prefixes": self.manager.prefixes.gauges()}
 
-    def _sample_budget(self) -> dict[str, Any]:
-        """Eq. 1-2 for the daemon as a whole (``SessionManager.daemon_budgeter``)."""
-        try:
-            self._last_budget = self.manager.daemon_budgeter().sample("periodic").to_dict()
-        except (OSError, ValueError) as e:
-            log.warning("budget sampling failed: %s", e)
-        return self._last_budget
-
     def budget(self) -> dict[str, Any]:
-        sample = self._sample_budget()
+        """The ``budget`` op: a reading measured for it (``REQUEST_MAX_AGE_S``), the ledger and each session's."""
+        sample = self.manager.budget.report(REQUEST_MAX_AGE_S)
         held = self.manager.ledger.held_bytes
         live = self.manager.live_sessions()
         return {
@@ -305,6 +294,7 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         d = self.device
+        b = self.manager.budget.report()
         return {
             "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
             "uptime_s": time.time() - self.started, "config": self.cfg.source or "embedded-default",
@@ -316,8 +306,7 @@ class Daemon:
             "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks},
             "sessions": len(self.manager.sessions), "connections": len(self._conns),
             "metrics": self.metrics.address if self.metrics else None,
-            "budget": {k: self._last_budget.get(k) for k in ("pagecache_budget_bytes", "usable_bytes", "cgroup",
-                                                               "cgroup_version")},
+            "budget": {k: b.get(k) for k in ("pagecache_budget_bytes", "usable_bytes", "cgroup", "cgroup_version")},
         }
 
     def trim_region(self) -> dict[str, Any]:

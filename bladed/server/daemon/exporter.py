@@ -162,9 +162,11 @@ class Collector:
         replan = live.get("replan", {})
         for metric, key, doc in _REPLAN_COUNTERS:
             yield CounterMetricFamily(metric, doc, value=replan.get(key, 0))
-        samples = CounterMetricFamily("bladed_budget_samples", "Samples of Eq. 1-2 taken by live re-planning, by "
-                                      "what triggered them", labels=["reason"])
-        for reason in ("periodic", "pressure"):
+        samples = CounterMetricFamily("bladed_budget_samples", "Measurements of Eq. 1-2 by the daemon's one budget "
+                                      "sampler, by what triggered them: periodic and pressure (live re-planning's "
+                                      "schedule), demand (a reader found the shared reading older than it accepts: "
+                                      "a session open, the budget op, a scrape, a prefix retain)", labels=["reason"])
+        for reason in ("periodic", "pressure", "demand"):
             samples.add_metric([reason], replan.get("budget_samples", {}).get(reason, 0))
         yield samples
         yield CounterMetricFamily("bladed_pagecache_budget_changes", "Moves of B_pc past the hysteresis that live "

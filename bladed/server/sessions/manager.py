@@ -1,10 +1,11 @@
 """Opening and closing sessions: Plan and Bind (§IV-A), quotas, the budget ledger, room on the region for
 live demotions, teardown (TRIM, files, journal) and retaining a session's prefix.
 
-Opening one runs the paper's Plan and Bind steps: the budgeter gives ``B_pc`` (Eq. 1-2), minus what live
-sessions already hold in the page cache; Algorithm 1 splits the KPUs between a page-cache store and an
-extent store (``bladed.server.storage``); the direct-path KPUs get one contiguous extent laid out back to
-back (Eq. 3-6).  Files and LBAs are materialised by the first request that touches them.
+Opening one runs the paper's Plan and Bind steps: the daemon's budget reading (``budget_reading``) gives
+``B_pc`` (Eq. 1-2) for the session's staging, minus what live sessions already hold in the page cache;
+Algorithm 1 splits the KPUs between a page-cache store and an extent store (``bladed.server.storage``); the
+direct-path KPUs get one contiguous extent laid out back to back (Eq. 3-6). Files and LBAs are materialised
+by the first request that touches them.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from typing import Any
 from bladed.config import Config
 from bladed.io import Engine, ExtentDevice, StagingBuffer
 from bladed.protocol import ErrorCode, RequestError, get_field
-from bladed.residency.budget import Budgeter
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.planner import KPU, BudgetLedger, Mode, plan_session
 from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
 from bladed.server.prefixes.cache import PrefixCache
+from bladed.server.sessions.budget_reading import OPEN_MAX_AGE_S, BudgetSampler
 from bladed.server.sessions.replan import LiveReplanner
 from bladed.server.sessions.rules import open_geometry, open_staging
 from bladed.server.sessions.session import Session
@@ -53,10 +54,11 @@ class SessionManager:
         self.journal = journal
         self.stats = stats
         self.ledger = BudgetLedger()
+        #: the daemon's one budget reading: the re-planner schedules it, opens, prefixes and reports read it
+        self.budget = BudgetSampler(cfg, self.staging_bytes)
         self.replanner = LiveReplanner(self)
         self.prefixes = PrefixCache(cfg, device, allocator, journal, stats)
         self.prefixes.pagecache_room = self._pagecache_room
-        self._last_budget = 0
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
 
@@ -64,31 +66,19 @@ class SessionManager:
     def staging_align(self) -> int:
         return max(PAGE_SIZE, self.device.lba_size)
 
-    def budgeter(self, copy_threads: int, pinned_per_thread_bytes: int, pinned_elsewhere_bytes: int = 0) -> Budgeter:
-        """Eq. 1-2 for a new session's ``copy_threads`` slots of ``pinned_per_thread_bytes``, besides
-        ``pinned_elsewhere_bytes`` of the open sessions' staging."""
-        b = self.cfg.budget
-        return Budgeter(copy_threads, pinned_per_thread_bytes, override_bytes=b.override, cap_bytes=b.cap,
-                        cgroup_path=b.cgroup or None, pinned_elsewhere_bytes=pinned_elsewhere_bytes,
-                        kernel_overhead=b.kernel_overhead)
-
-    def daemon_budgeter(self) -> Budgeter:
-        """Eq. 1-2 for the daemon as a whole: no session being planned, every open session's staging as
-        ``M_pin,others``."""
-        return self.budgeter(0, 0, self.staging_bytes())
-
     def staging_bytes(self) -> int:
         """The staging of every open session (shmem of the daemon's once it is touched)."""
         return sum(s.staging_bytes for s in self.live_sessions())
 
     def _pagecache_room(self) -> int:
-        """Page-cache bytes neither live sessions nor retained prefixes hold, of the last sampled ``B_pc``."""
+        """Page-cache bytes neither live sessions nor retained prefixes hold, of the daemon's ``B_pc`` (a reading
+        at most ``budget.interval_s`` old: where a retained prefix goes is placement, not admission)."""
         try:
-            self._last_budget = self.daemon_budgeter().sample().pagecache_budget_bytes
+            b_pc = self.budget.reading(self.cfg.budget.interval_s).pagecache_budget_bytes
         except (OSError, ValueError) as e:
             log.warning("budget sampling failed (%s); retaining on the device only", e)
             return 0
-        return max(0, self.ledger.available(self._last_budget) - self.prefixes.pagecache_bytes)
+        return max(0, self.ledger.available(b_pc) - self.prefixes.pagecache_bytes)
 
     def live_sessions(self) -> list[Session]:
         with self._lock:
@@ -124,7 +114,7 @@ class SessionManager:
 
             # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold
             try:
-                breakdown = self.budgeter(channels, stride, self.staging_bytes()).sample()
+                breakdown = self.budget.for_session(channels, stride, OPEN_MAX_AGE_S)
                 b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
             except (OSError, ValueError) as e:
                 log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
@@ -232,7 +222,7 @@ class SessionManager:
 
     def _carry_out(self, sess: Session, kpu: KPU, ch: Channel) -> None:
         """One of ``sess``'s pending demotions, holding ``ch`` (``LiveState.begin``)."""
-        self.replanner.carry_out(sess, kpu, ch, lambda need: self.room(sess, need, ch))
+        self.replanner.carry_out(sess, kpu, ch, lambda need: self.extent_with_room(sess, need, ch))
 
     def journal_session(self, sess: Session, also: Sequence[Extent] = ()) -> None:
         """Record what the session holds (again after its extent grew or moved; ``also`` the run it moves to
@@ -242,8 +232,8 @@ class SessionManager:
                                        extents=[(e.start, e.nblocks) for e in held],
                                        pagecache_dir=sess.pagecache.directory if sess.pagecache else ""))
 
-    def room(self, sess: Session, need: int, ch: ChannelIO) -> Extent:
-        """Give the session's extent map room for ``need`` more blocks after its last bound KPU (a live
+    def extent_with_room(self, sess: Session, need: int, ch: ChannelIO) -> Extent:
+        """The session's extent with room for ``need`` more blocks after its last bound KPU (a live
         demotion, on channel ``ch``): allocate the session's extent, grow it in place, or move it.
 
         Room is taken for every demotion still to come in the session's re-plan at once (its target plan's
@@ -263,19 +253,19 @@ class SessionManager:
         ahead = sum(k.padded_bytes for k in target.direct_kpus() if k.tensor_id not in store.map) // store.lba
         wants = sorted({store.map.blocks_short(max(need, ahead)), short}, reverse=True)
         try:
-            ext = self._take_room(sess.id, old, wants)
+            ext = self._allocate_or_grow(sess.id, old, wants)
         except RegionFullError:
             if old is None:
                 raise
             used = store.map.end_lba - old.start
-            ext = self._take_room(sess.id, None, [used + w for w in wants])
+            ext = self._allocate_or_grow(sess.id, None, [used + w for w in wants])
             self._move_extent(sess, store, old, ext, ch)
             return ext
         store.map.place(ext)
         self.journal_session(sess)
         return ext
 
-    def _take_room(self, sid: str, ext: Extent | None, wants: list[int]) -> Extent:
+    def _allocate_or_grow(self, sid: str, ext: Extent | None, wants: list[int]) -> Extent:
         """A new extent of ``wants[i]`` blocks, or ``ext`` grown in place by them, the first that fits;
         retained prefixes give their blocks back while none does (live sessions come first)."""
         while True:

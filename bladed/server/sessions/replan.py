@@ -1,8 +1,9 @@
 """Live re-planning: demote whole KPUs of live sessions when ``B_pc`` shrinks.
 
-The paper plans once, at start (§IV-A).  The daemon keeps re-sampling Eq. 1-2
-for its own cgroup (:meth:`Budgeter.start`: every ``budget.interval_s`` and on
-memory pressure; at once after a SIGHUP that changes ``budget.*``).  When the
+The paper plans once, at start (§IV-A).  The re-planner keeps the daemon's
+budget reading (:class:`~bladed.server.sessions.budget_reading.BudgetSampler`)
+on its schedule: every ``budget.interval_s`` and on memory pressure; at once
+after a SIGHUP that changes ``budget.*``.  When the
 budget falls below what live sessions hold, :meth:`BudgetLedger.shrink` gives
 new grants and :func:`replan` names the KPUs to demote.  They are recorded as
 *pending* on the session and carried out one KPU at a time at an operation
@@ -13,7 +14,7 @@ and holds back new ones until it is done.
 
 ``dualblade``: the extent store binds the KPU after the last bound tensor of
 the extent (Eq. 3-6 still hold; the extent is allocated, grown in place or
-moved to a larger run if needed: ``SessionManager.room``),
+moved to a larger run if needed: ``SessionManager.extent_with_room``),
 maps the channels' edge scratch it needs, and copies the KPU's filled bytes
 from its page-cache file a bounded chunk at a time (the packed layout makes
 the file's bytes the extent's bytes); then the file is dropped and unlinked.
@@ -35,11 +36,12 @@ from bladed.config import Config
 from bladed.io import BladedIOError
 from bladed.logfmt import fields
 from bladed.protocol import RequestError
-from bladed.residency.budget import BudgetBreakdown, Budgeter
+from bladed.residency.budget import BudgetBreakdown
 from bladed.residency.extents import Extent, RegionFullError
 from bladed.residency.geometry import Geometry
 from bladed.residency.planner import KPU, BudgetLedger, Mode, Plan
 from bladed.server.events import event
+from bladed.server.sessions.budget_reading import BudgetSampler
 from bladed.server.sessions.live import LiveState, with_kpu
 from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
@@ -65,27 +67,21 @@ class ReplanHost(Protocol):
 
     cfg: Config
     ledger: BudgetLedger
+    budget: BudgetSampler
 
     def get(self, sid: str) -> ReplanSession | None: ...
 
-    def daemon_budgeter(self) -> Budgeter: ...
-
-    def staging_bytes(self) -> int: ...
-
 
 class LiveReplanner:
-    """Runs the daemon's Budgeter and turns budget shrinks into live demotions."""
+    """Schedules the daemon's budget sampler and turns budget shrinks into live demotions."""
 
     def __init__(self, manager: ReplanHost) -> None:
         self.manager = manager
-        self._budgeter: Budgeter | None = None
         self._lock = threading.Lock()
         self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0,
                       "extents_moved": 0, "moved_bytes": 0}
         self._work: queue.Queue[tuple[ReplanSession, int] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
-        #: Budgeter.stats of the budgeters a reload replaced (so the samples counters never go back)
-        self._past_samples: dict[str, int] = {}
 
     # -- the re-sampling thread -------------------------------------------------------------
     def start(self) -> None:
@@ -94,24 +90,17 @@ class LiveReplanner:
         if not cfg.live_replan:
             return
         try:
-            b = self.manager.daemon_budgeter()
-            b.start(cfg.interval_s, self._on_change)
+            first = self.manager.budget.start(self.apply)
         except (OSError, ValueError) as e:
             log.warning("live re-planning disabled: cannot start budget sampling: %s", e)
             return
-        self._budgeter = b
         if self._worker is None:
             self._worker = threading.Thread(target=self._demote_eagerly, name="bladed-demote", daemon=True)
             self._worker.start()
-        if b.last is not None:
-            self.apply(b.last)
+        self.apply(first)
 
     def stop(self) -> None:
-        b, self._budgeter = self._budgeter, None
-        if b is not None:
-            b.stop()
-            with self._lock:
-                self._past_samples = self._samples(b)
+        self.manager.budget.stop()
         w, self._worker = self._worker, None
         if w is not None:
             self._work.put(None)
@@ -129,22 +118,12 @@ class LiveReplanner:
     def restart(self) -> None:
         """After a reload of ``budget.*``: new override/cap/cgroup, and apply at once."""
         self.stop()
+        self.manager.budget.reconfigure()
         self.start()
-
-    def _on_change(self, b: BudgetBreakdown) -> None:
-        budgeter = self._budgeter
-        pinned = self.manager.staging_bytes()     # M_pin,others: the sessions opened or closed since
-        if budgeter is not None and budgeter.pinned_elsewhere_bytes != pinned:
-            budgeter.pinned_elsewhere_bytes = pinned
-            try:
-                b = budgeter.sample(b.reason)
-            except OSError as e:
-                log.warning("budget re-sample failed: %s", e)
-        self.apply(b)
 
     # -- shrink -> replan -> pending demotions ------------------------------------------------
     def apply(self, b: BudgetBreakdown) -> None:
-        """``ledger.shrink(B_pc)``, then record each affected session's demotions."""
+        """``ledger.shrink(B_pc)`` of a daemon-wide reading, then record each affected session's demotions."""
         with self._lock:
             grants = self.manager.ledger.shrink(b.pagecache_budget_bytes)
             scheduled = 0
@@ -172,10 +151,12 @@ class LiveReplanner:
                   held_bytes=self.manager.ledger.held_bytes, demotions=scheduled)
 
     # -- carrying one out ----------------------------------------------------------------------
-    def carry_out(self, sess: ReplanSession, kpu: KPU, channel: Channel, room: Callable[[int], Extent]) -> None:
+    def carry_out(self, sess: ReplanSession, kpu: KPU, channel: Channel,
+                  extent_with_room: Callable[[int], Extent]) -> None:
         """Demote one KPU holding ``channel`` (no request on it is in flight); on failure it stays where it is.
 
-        ``room(need)`` gives the session's extent room for ``need`` more blocks (``SessionManager.room``)."""
+        ``extent_with_room(need)`` gives the session's extent with room for ``need`` more blocks
+        (``SessionManager.extent_with_room``)."""
         live = sess.live
         target = live.target or sess.plan
         nbytes = 0
@@ -184,7 +165,7 @@ class LiveReplanner:
             pagecache, extent_store = sess.stores()
             if sess.plan.mode is Mode.DUALBLADE:
                 filled = live.filled_to(tid) * sess.geometry.token_bytes
-                nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel, room)
+                nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel, extent_with_room)
                 # its bytes are on the extent now: the file is truncated (pages dropped unwritten) and removed
                 pagecache.detach(tid).close(unlink=True)
             else:
@@ -213,19 +194,12 @@ class LiveReplanner:
             self.stats["extents_moved"] += 1
             self.stats["moved_bytes"] += nbytes
 
-    def _samples(self, b: Budgeter | None) -> dict[str, int]:
-        """Samples (periodic, pressure) and applied changes of B_pc since the daemon started."""
-        now = dict(b.stats) if b is not None else {}
-        return {k: self._past_samples.get(k, 0) + now.get(k, 0) for k in self._past_samples.keys() | now.keys()}
-
     def to_dict(self) -> dict[str, Any]:
-        b = self._budgeter
+        sampler = self.manager.budget.to_dict()
         with self._lock:
             out: dict[str, Any] = dict(self.stats)
-            out["budget_samples"] = self._samples(b)
-        out["running"] = b is not None
-        out["sources"] = list(b.sources) if b is not None else []
-        return out
+        return out | {"budget_samples": sampler["samples"], "running": sampler["running"],
+                      "sources": sampler["sources"]}
 
 
 __all__ = ["LiveReplanner", "LiveState"]

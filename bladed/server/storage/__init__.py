@@ -1,6 +1,7 @@
 """The storage wing: where KPUs live and how their bytes move -- one store interface (``base``), one module
-per store, the channel a request runs on (``channel``), row checksums (``integrity``), the crash-recovery
-journal (``journal``) and the one way back for a written run of the region (``release``).
+per store (the extent store's packed-row edges and tails in ``edges``), the channel a request runs on
+(``channel``), the lane's per-KPU gates (``gates``), row checksums (``integrity``), the crash-recovery journal
+(``journal``) and the one way back for a written run of the region (``release``).
 
 ==========================  ==================================================
 :class:`PageCacheKPUStore`  the page-cache path: one file per KPU

@@ -21,6 +21,8 @@ What an edge LBA already holds comes, in order of preference, from
 * a read of that LBA (read-modify-write; only for writes inside data already
   written, never for appends).
 
+(The edges and tails themselves are ``edges``'s bookkeeping; this module does the I/O.)
+
 The middle of a range (its whole LBAs) moves by DMA straight between the
 device and the client's staging slot (Co-DMA, §IV-B) when the slot offset has
 the same alignment as the KPU offset (always true for the default, mirrored
@@ -35,7 +37,6 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 from bladed.io import BladedIOError, Op, StagingBuffer, Transfer
@@ -44,6 +45,7 @@ from bladed.protocol import ErrorCode
 from bladed.residency.extents import Extent, ExtentMap
 from bladed.residency.planner import KPU, KVPath, Plan
 from bladed.server.storage.base import Access, ChannelIO, KPUStore
+from bladed.server.storage.edges import Edge, Tail, edges_of
 from bladed.server.storage.gates import KPUGates
 from bladed.sizes import PAGE_SIZE, align_up, ceil_div
 
@@ -51,30 +53,6 @@ from bladed.sizes import PAGE_SIZE, align_up, ceil_div
 BOUNCE_BYTES = 1 << 20
 #: edge LBAs one channel's scratch holds before it grows (two per range of a request)
 EDGE_LBAS = 16
-
-
-@dataclass
-class _Tail:
-    """Per-KPU state: how far it is filled, and a copy of its last, partly filled LBA."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    fill: int = 0              # bytes [0, fill) of the KPU have been written (the highest end so far)
-    block: int = -1            # KPU-relative index of the cached LBA (-1: none)
-    data: bytearray = field(default_factory=bytearray)
-
-    def forget(self) -> None:
-        self.block = -1
-
-
-@dataclass
-class _Edge:
-    """One edge LBA of an access, assembled or read in the channel's scratch."""
-
-    block: int                 # KPU-relative LBA index
-    scratch: int               # byte offset of its copy in the scratch
-    lo: int                    # the access's bytes inside this LBA: [lo, hi) relative to the LBA
-    hi: int
-    from_tail: bool = False    # a read served from the tail copy (no device command)
 
 
 class ExtentKPUStore(KPUStore):
@@ -87,7 +65,7 @@ class ExtentKPUStore(KPUStore):
         self.token_bytes = plan.geometry.token_bytes
         self.map = ExtentMap(plan, extent)
         self._kpus = {k.tensor_id: k for k in plan.direct_kpus()}
-        self._tails = {t: _Tail() for t in self._kpus}
+        self._tails = {t: Tail() for t in self._kpus}
         self._scratch: list[StagingBuffer | None] = [None] * channels
         self._bounce: list[StagingBuffer | None] = [None] * channels
         self._lock = threading.Lock()
@@ -169,13 +147,13 @@ class ExtentKPUStore(KPUStore):
                                            f"LBAs of {len(accesses)} ranges ({no_memory}); send fewer ranges per "
                                            "request")
             return
-        plans: list[tuple[Access, int, list[_Edge]]] = []
+        plans: list[tuple[Access, int, list[Edge]]] = []
         rmw: list[tuple[int, Transfer]] = []           # (access index, read of an edge to complete)
         used = 0
         for i, a in enumerate(accesses):
             base = self.map.lookup(a.kpu.tensor_id)[0]
             tail = self._tails[a.kpu.tensor_id]
-            edges = self._edges(a, used)
+            edges = edges_of(a.offset, a.nbytes, L, used)
             used += len(edges) * L
             plans.append((a, base, edges))
             if not edges:
@@ -240,12 +218,11 @@ class ExtentKPUStore(KPUStore):
             tail = self._tails[a.kpu.tensor_id]
             if i in failed:
                 if a.write:
-                    tail.forget()   # what the edge LBAs hold is unknown now: read them back next time
-                    tail.fill = max(tail.fill, a.offset + a.nbytes)
+                    tail.write_failed(a.offset + a.nbytes)
                 a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {failed[i]}")
                 continue
             if a.write:
-                self._after_write(tail, a, edges, scratch)
+                tail.after_write(a.offset + a.nbytes, L, edges, scratch)
             elif edges:
                 assert scratch is not None
                 sv = scratch.view()
@@ -253,36 +230,6 @@ class ExtentKPUStore(KPUStore):
                     dst = a.slot_offset + (e.block * L + e.lo - a.offset)
                     slot.view(dst, e.hi - e.lo)[:] = sv[e.scratch + e.lo:e.scratch + e.hi]
             a.served(KVPath.DIRECT, started)
-
-    def _edges(self, a: Access, scratch_at: int) -> list[_Edge]:
-        """The access's LBAs that it covers only in part (none when the §IV-B precondition holds)."""
-        L = self.lba
-        o0, o1 = a.offset, a.offset + a.nbytes
-        first, last = o0 // L, (o1 - 1) // L
-        edges = []
-        if o0 % L:
-            edges.append(_Edge(first, scratch_at, o0 - first * L, min(L, o1 - first * L)))
-        if o1 % L and (last != first or not o0 % L):
-            edges.append(_Edge(last, scratch_at + len(edges) * L, max(0, o0 - last * L), o1 - last * L))
-        return edges
-
-    def _after_write(self, tail: _Tail, a: Access, edges: list[_Edge], scratch: StagingBuffer | None) -> None:
-        """Keep the fill mark and the tail copy in step with what the device now holds."""
-        L = self.lba
-        end = a.offset + a.nbytes
-        if end >= tail.fill:
-            tail.fill = end
-            tail.block = -1
-            if end % L:
-                last = edges[-1]
-                assert scratch is not None and last.block == (end - 1) // L
-                tail.block = last.block
-                tail.data = bytearray(scratch.view(last.scratch, L))
-        elif tail.block >= 0:
-            for e in edges:
-                if e.block == tail.block:
-                    assert scratch is not None
-                    tail.data[:] = scratch.view(e.scratch, L)
 
     def _run_bounced(self, ch: ChannelIO, a: Access) -> None:
         """A range whose slot offset is not aligned like its KPU offset: whole LBAs through the bounce buffer."""
@@ -321,25 +268,22 @@ class ExtentKPUStore(KPUStore):
                     if b <= tail.block < b + k:
                         tail.data[:] = bv[(tail.block - b) * L:(tail.block - b + 1) * L]
                     if hi == o1 and o1 >= tail.fill:
-                        tail.fill, tail.block = o1, -1
-                        if o1 % L:
-                            last = (o1 - 1) // L
-                            tail.block, tail.data = last, bytearray(bv[(last - b) * L:(last - b + 1) * L])
+                        last = (o1 - 1) // L - b
+                        tail.filled_to(o1, L, bv[last * L:(last + 1) * L])
                 b += k
         except BladedIOError as e:
             if a.write:
-                tail.forget()
-                tail.fill = max(tail.fill, o1)
+                tail.write_failed(o1)
             a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {e}")
             return
         a.served(KVPath.DIRECT, started)
 
     # -- live demotion -----------------------------------------------------------------------
     def adopt(self, kpu: KPU, source: PageCacheFile, filled: int, ch: ChannelIO,
-              room: Callable[[int], object]) -> int:
+              extent_with_room: Callable[[int], object]) -> int:
         """Move one KPU here from its page-cache file: bind it after the last KPU, copy its ``filled`` bytes.
 
-        ``room(nblocks)`` gives the map (:meth:`ExtentMap.place`) an extent with room for ``nblocks``
+        ``extent_with_room(nblocks)`` gives the map (:meth:`ExtentMap.place`) an extent with room for ``nblocks``
         more blocks after the last bound KPU (allocating or growing it).  An
         earlier try that bound the KPU but failed to copy reuses its LBAs.
         Raises (OSError, BladedIOError, MemoryError, RegionFullError) on failure,
@@ -350,14 +294,14 @@ class ExtentKPUStore(KPUStore):
         with contextlib.ExitStack() as stack:
             # the copy buffer first: no memory refuses the move before any LBA is bound
             buf = stack.enter_context(StagingBuffer(min(align_up(filled, L), BOUNCE_BYTES))) if filled else None
-            # one move at a time, bind and copy together: room() may move the extent, never under a copy
+            # one move at a time, bind and copy together: extent_with_room() may move the extent, never under a copy
             stack.enter_context(self._moving)
             if kpu.tensor_id in self.map:
                 slba = self.map.lookup(kpu.tensor_id)[0]
             else:
-                room(kpu.padded_bytes // L)
+                extent_with_room(kpu.padded_bytes // L)
                 slba, _ = self.map.add(kpu)
-            tail = _Tail(fill=filled)
+            tail = Tail(fill=filled)
             if buf is not None:
                 per = buf.nbytes
                 for off in range(0, filled, per):
@@ -367,9 +311,9 @@ class ExtentKPUStore(KPUStore):
                     if whole > n:
                         ctypes.memset(buf.address + n, 0, whole - n)   # past the fill: zero, as on a fresh LBA
                     ch.engine.write(slba + off // L, buf, nbytes=whole)
-                    if off + n == filled and filled % L:
-                        last = (filled - 1) // L
-                        tail.block, tail.data = last, bytearray(buf.view((last - off // L) * L, L))
+                    if off + n == filled:
+                        last = (filled - 1) // L - off // L
+                        tail.filled_to(filled, L, buf.view(last * L, L) if filled % L else None)
             with self._lock:
                 self._kpus[kpu.tensor_id] = kpu
                 self._tails[kpu.tensor_id] = tail
@@ -383,9 +327,9 @@ class ExtentKPUStore(KPUStore):
         """Copy the written bytes of every KPU served here to the same offset in ``extent``, then rebind the
         map there (:meth:`ExtentMap.relocate`); returns the bytes copied.
 
-        For a demotion whose room cannot grow in place: :meth:`adopt`'s ``room`` calls this, so no other move
-        runs; the caller holds every served KPU idle (``LiveState.holding``).  ``filled(t)`` is how many
-        bytes of KPU ``t`` either path has written; past them the new run reads zero, as a fresh one does.
+        For a demotion whose room cannot grow in place: :meth:`adopt`'s ``extent_with_room`` calls this, so no
+        other move runs; the caller holds every served KPU idle (``LiveState.holding``).  ``filled(t)`` is how
+        many bytes of KPU ``t`` either path has written; past them the new run reads zero, as a fresh one does.
         On failure the map stays on its old extent and the new one may hold part of the copy.
         """
         L = self.lba
