@@ -135,9 +135,10 @@ class OpResult(NamedTuple):
     error: BladedError | None = None
 
 
-def geometry_dict(geometry: Any) -> dict[str, int]:
+def geometry_dict(geometry: Any) -> dict[str, int | str]:
     """The six geometry fields of a ``bladed.residency.Geometry``, a mapping or any
-    object with those attributes (``dtype`` by name is accepted for ``dtype_bytes``)."""
+    object with those attributes (``dtype`` by name is accepted for ``dtype_bytes``),
+    and its ``kv_format`` (a name or a :class:`bladed.kvformat.KVFormat`) where it has one."""
     get: Callable[[str], Any]
     if isinstance(geometry, Mapping):
         src = dict(geometry)
@@ -145,7 +146,7 @@ def geometry_dict(geometry: Any) -> dict[str, int]:
     else:
         def get(name: str) -> Any:
             return getattr(geometry, name, None)
-    out: dict[str, int] = {}
+    out: dict[str, int | str] = {}
     for name in GEOMETRY_FIELDS:
         value = get(name)
         if value is None and name == "dtype_bytes" and get("dtype") is not None:
@@ -156,6 +157,9 @@ def geometry_dict(geometry: Any) -> dict[str, int]:
         if value is None:
             raise ValueError(f"geometry lacks {name!r}")
         out[name] = int(value)
+    fmt = get("kv_format")
+    if fmt:
+        out["kv_format"] = getattr(fmt, "name", fmt)     # a name as given: the daemon checks it
     return out
 
 

@@ -131,3 +131,16 @@ def test_stale_docs_floor_table_is_caught() -> None:
     problem = stale_table(stale)
     assert problem is not None
     assert f"| {floor} | {as_row(contract_floors()[floor])} |" in problem, problem
+
+
+def test_the_daemon_and_the_client_run_without_torch() -> None:
+    """The daemon (and a client that sizes quantized rows) never loads torch: a box or container that stores KV
+    needs none (the Containerfile's daemon image has none). A geometry of a quantized format is sized without it."""
+    code = ("import sys, bladed.server.daemon.main, bladed.client, bladed.cli.bladectl\n"
+            "from bladed.residency.geometry import Geometry\n"
+            "g = Geometry(layers=2, batch=1, kv_heads=3, head_dim=64, dtype_bytes=2, max_tokens=8, kv_format='q4')\n"
+            "assert g.token_bytes == 120, g.token_bytes\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -125,12 +125,14 @@ def sessions() -> None:
         if not rows:
             click.echo("no open sessions")
             return
-        click.echo(f"{'SESSION':<10} {'UID':>6} {'PID':>8} {'MODE':<11} {'CH':>2} {'LAYERS':>6} {'G1 LAYERS':>9} "
-                   f"{'PAGECACHE':>10} {'DIRECT':>10} {'EXTENT':<16} {'OPS':>8}")
+        click.echo(f"{'SESSION':<10} {'UID':>6} {'PID':>8} {'MODE':<11} {'KV':<6} {'CH':>2} {'LAYERS':>6} "
+                   f"{'G1 LAYERS':>9} {'PAGECACHE':>10} {'DIRECT':>10} {'EXTENT':<16} {'OPS':>8}")
         for s in rows:
             ext = f"{s['extent']['start']}+{s['extent']['nblocks']}" if s["extent"] else "-"
-            click.echo(f"{s['session']:<10} {s['uid']:>6} {s['pid']:>8} {s['mode']:<11} {s['channels']:>2} "
-                       f"{s['geometry']['layers']:>6} {s['group1_layers']:>9} {size(s['pagecache_bytes']):>10} "
+            g = s["geometry"]
+            fmt = g.get("kv_format") or f"{g['dtype_bytes']}B"     # unnamed plain rows: the element size
+            click.echo(f"{s['session']:<10} {s['uid']:>6} {s['pid']:>8} {s['mode']:<11} {fmt:<6} {s['channels']:>2} "
+                       f"{g['layers']:>6} {s['group1_layers']:>9} {size(s['pagecache_bytes']):>10} "
                        f"{size(s['direct_bytes']):>10} {ext:<16} {s['ops']:>8}")
 
     emit(data, human)

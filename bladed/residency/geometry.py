@@ -7,7 +7,11 @@ A KPU is one layer's K or one layer's V tensor, shaped ``(max_tokens, B*H, D)``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from bladed.kvformat import KVFormatError, kv_format
 
 #: (layers, KV heads, head dim) of the models the paper evaluates (Table II).
 MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
@@ -72,6 +76,12 @@ class Geometry:
 
     ``kv_heads`` is the number of K/V heads (smaller than the query heads for
     GQA/MQA models); ``max_tokens`` is prompt plus generation length.
+    ``kv_format`` is how a token row is stored (:mod:`bladed.kvformat`): ``""``
+    (rows of ``dtype_bytes`` elements, as bladed always stored them), a plain
+    format (``fp16``, ``bf16``, ``fp32``: the same bytes, named, so that a
+    retained prefix is served only to sessions of that format) or a quantized
+    one (``q8``, ``q4``): then ``dtype_bytes`` is the size of the elements the
+    client decodes to, and the row is the format's bytes.
     """
 
     layers: int
@@ -80,6 +90,7 @@ class Geometry:
     head_dim: int
     dtype_bytes: int
     max_tokens: int
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         for name in GEOMETRY_FIELDS:
@@ -93,20 +104,45 @@ class Geometry:
                 f"Geometry.dtype_bytes must be one of {', '.join(map(str, _DTYPE_SIZES))} "
                 f"(fp8 / fp16-bf16 / fp32 / fp64), got {self.dtype_bytes}"
             )
+        if not isinstance(self.kv_format, str):
+            raise TypeError(f"Geometry.kv_format must be a str, got {type(self.kv_format).__name__}")
+        if self.kv_format:
+            fmt = kv_format(self.kv_format)       # KVFormatError (a ValueError) names the value
+            fmt.check(self.head_dim)
+            if fmt.plain and fmt.block_bytes != self.dtype_bytes:
+                raise KVFormatError(f"KV format {fmt.name} stores {fmt.block_bytes}-byte elements, but "
+                                    f"dtype_bytes is {self.dtype_bytes}; give dtype_bytes {fmt.block_bytes} or "
+                                    "another format")
+            object.__setattr__(self, "kv_format", fmt.name)   # the canonical name (fp16 for float16, ...)
 
     @classmethod
-    def for_model(cls, model: str, *, batch: int, max_tokens: int, dtype_bytes: int = 2) -> Geometry:
+    def for_model(cls, model: str, *, batch: int, max_tokens: int, dtype_bytes: int = 2,
+                  kv_format: str = "") -> Geometry:
         """The geometry of a model named in :data:`MODEL_SHAPES` (e.g. ``opt-6.7b``)."""
         try:
             layers, heads, head_dim = MODEL_SHAPES[model.lower()]
         except KeyError:
             raise ValueError(f"unknown model {model!r}: known are {', '.join(sorted(MODEL_SHAPES))}") from None
         return cls(layers=layers, batch=batch, kv_heads=heads, head_dim=head_dim,
-                   dtype_bytes=dtype_bytes, max_tokens=max_tokens)
+                   dtype_bytes=dtype_bytes, max_tokens=max_tokens, kv_format=kv_format)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Geometry:
+        """The geometry of a record's or a request's fields (:data:`GEOMETRY_FIELDS`, ``kv_format`` if there)."""
+        return cls(**{f: int(d[f]) for f in GEOMETRY_FIELDS}, kv_format=str(d.get("kv_format", "")))
+
+    def fields(self) -> dict[str, int | str]:
+        """What :meth:`from_dict` takes back: the defining fields (a record's ``geometry``)."""
+        out: dict[str, int | str] = {f: getattr(self, f) for f in GEOMETRY_FIELDS}
+        if self.kv_format:
+            out["kv_format"] = self.kv_format
+        return out
 
     @property
     def token_bytes(self) -> int:
-        """One token of one K or V tensor: ``B*H*D*e`` (Table II)."""
+        """One token of one K or V tensor: ``B*H*D*e`` (Table II), or the row of a quantized format."""
+        if self.kv_format:
+            return kv_format(self.kv_format).row_bytes(self.batch * self.kv_heads, self.head_dim)
         return self.batch * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @property
@@ -134,7 +170,7 @@ class Geometry:
         whole number of LBAs."""
         return self.token_bytes % check_lba_size(lba_size) == 0
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         return {
             "layers": self.layers,
             "batch": self.batch,
@@ -142,6 +178,7 @@ class Geometry:
             "head_dim": self.head_dim,
             "dtype_bytes": self.dtype_bytes,
             "max_tokens": self.max_tokens,
+            "kv_format": self.kv_format,
             "token_bytes": self.token_bytes,
             "kpu_bytes": self.kpu_bytes,
             "kv_bytes": self.kv_bytes,

@@ -15,6 +15,7 @@ remove the page-cache files and exit 0; SIGHUP reloads what can be reloaded
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -267,7 +268,9 @@ class Daemon:
                            "host_total_bytes", "pinned_bytes")}
         with self._conns_lock:
             connections = len(self._conns)
-        return {"sessions": len(self.manager.sessions), "connections": connections, "engine": self.device.engine,
+        formats = collections.Counter(s.geometry.kv_format or "plain" for s in self.manager.live_sessions())
+        return {"sessions": len(self.manager.sessions), "sessions_by_kv_format": dict(formats),
+                "connections": connections, "engine": self.device.engine,
                 "extents": {"used_blocks": self.allocator.used_blocks, "free_blocks": self.allocator.free_blocks,
                             "largest_free": self.allocator.largest_free, "region_blocks": self.allocator.nblocks},
                 "lba_size": self.device.lba_size,

@@ -138,6 +138,11 @@ class Collector:
         engine.add_metric([live["engine"]], 1)
         yield engine
         yield GaugeMetricFamily("bladed_sessions", "Open sessions", value=live["sessions"])
+        by_format = GaugeMetricFamily("bladed_sessions_by_kv_format", "Open sessions by the KV storage format of "
+                                      "their rows (plain: rows of the geometry's dtype, unnamed)", labels=["kv_format"])
+        for fmt, n in sorted((live["sessions_by_kv_format"] or {"plain": 0}).items()):  # never an empty family
+            by_format.add_metric([fmt], n)
+        yield by_format
         yield GaugeMetricFamily("bladed_connections", "Open client connections (control and data)",
                                 value=live["connections"])
         lba = live["lba_size"]

@@ -4,6 +4,7 @@ journal), room for live sessions, restore at start-up.  The wing's story is in `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -18,7 +19,7 @@ from bladed.config import Config
 from bladed.io import BladedIOError, ExtentDevice
 from bladed.protocol import ErrorCode, RequestError
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
-from bladed.residency.geometry import GEOMETRY_FIELDS, Geometry
+from bladed.residency.geometry import Geometry
 from bladed.residency.planner import Mode, plan_session
 from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
@@ -29,7 +30,6 @@ from bladed.server.prefixes.entry import (
     SessionKV,
     crc_path,
     fsync_file,
-    geometry_fields,
 )
 from bladed.server.prefixes.index import PrefixIndex
 from bladed.server.prefixes.keys import block_chain, parse_key, seed_of
@@ -208,8 +208,7 @@ class PrefixCache:
         for e in self.index.matching(lambda e: e.matches(scope, seed_hex, B) and e.users == 0
                                      and chain[:len(e.rec.hashes)] == e.rec.hashes):
             self.index.evict(e, "superseded")
-        geometry = Geometry(**{f: getattr(sess.geometry, f) for f in GEOMETRY_FIELDS if f != "max_tokens"},
-                            max_tokens=len(chain) * B)
+        geometry = dataclasses.replace(sess.geometry, max_tokens=len(chain) * B)
         entry = self._make(scope, model, dtype, seed_hex, geometry, chain, sess.id)
         blocks_out = [bytearray(2 * geometry.layers * B * geometry.token_bytes) for _ in chain] if self.shared else None
         try:
@@ -254,7 +253,7 @@ class PrefixCache:
         pagecache = PageCacheKPUStore(self.cfg.pagecache_dir, eid, plan.pagecache_kpus(),
                                       dir_prefix=RETAINED_DIR_PREFIX)
         rec = RetainedRecord(id=eid, scope=scope, model=model, dtype=dtype, seed=seed_hex,
-                             geometry=geometry_fields(geometry), block_tokens=self.block_tokens, hashes=chain, grant=g,
+                             geometry=geometry.fields(), block_tokens=self.block_tokens, hashes=chain, grant=g,
                              extents=[(extent.start, extent.nblocks)] if extent else [],
                              pagecache_dir=pagecache.directory)
         entry = Entry(rec, plan, pagecache, ExtentKPUStore(plan, extent, 1),
@@ -370,7 +369,7 @@ class PrefixCache:
                        self.allocator)
 
     def _verify(self, entry: Entry) -> None:
-        geometry = Geometry(**{f: int(entry.rec.geometry[f]) for f in GEOMETRY_FIELDS})
+        geometry = Geometry.from_dict(entry.rec.geometry)
         ch = self._copy_channel(geometry)
         try:
             verify(entry, ch)

@@ -14,7 +14,7 @@ import numpy as np
 
 from bladed.io import StagingBuffer
 from bladed.protocol import IORange, RangeResult
-from bladed.residency.geometry import GEOMETRY_FIELDS, Geometry
+from bladed.residency.geometry import Geometry
 from bladed.residency.planner import KPU, Plan
 from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
@@ -102,10 +102,6 @@ def crc_path(state_dir: str, entry_id: str) -> str:
     return os.path.join(state_dir, "prefixes", f"{entry_id}.crc")
 
 
-def geometry_fields(geometry: Geometry) -> dict[str, int]:
-    return {f: getattr(geometry, f) for f in GEOMETRY_FIELDS}
-
-
 def block_crcs(slot: StagingBuffer, blocks: int, block_bytes: int) -> np.ndarray:
     """crc32c of each of ``blocks`` consecutive ``block_bytes`` blocks at the start of ``slot``."""
     return row_crcs(slot.view(), 0, blocks, block_bytes)
@@ -119,4 +115,4 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["Entry", "Lookup", "SessionKV", "block_crcs", "crc_path", "fsync_file", "geometry_fields"]
+__all__ = ["Entry", "Lookup", "SessionKV", "block_crcs", "crc_path", "fsync_file"]

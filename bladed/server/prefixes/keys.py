@@ -21,8 +21,11 @@ HASH_HEX = 32
 
 
 def seed_of(model: str, dtype: str, geometry: Geometry) -> bytes:
-    """What every block hash of a prefix starts from: the model, its dtype and the KV shape (not its length)."""
+    """What every block hash of a prefix starts from: the model, its dtype and the KV shape and storage format (not
+    its length): an entry of one KV format is never served to a session of another."""
     shape = ",".join(str(getattr(geometry, f)) for f in GEOMETRY_FIELDS if f != "max_tokens")
+    if geometry.kv_format:      # unnamed plain rows keep the keys they always had
+        shape += f",{geometry.kv_format}"
     return hashlib.sha256(f"bladed-prefix-1\0{model}\0{dtype}\0{shape}".encode()).digest()
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from bladed.protocol import IOOp
 from bladed.residency.extents import ExtentAllocator
-from bladed.residency.geometry import GEOMETRY_FIELDS, Geometry
+from bladed.residency.geometry import Geometry
 from bladed.residency.planner import Mode, plan_session
 from bladed.server.prefixes.entry import Entry, block_crcs
 from bladed.server.storage import Access, ExtentKPUStore, PageCacheKPUStore
@@ -21,7 +21,7 @@ from bladed.server.storage.pagecache_store import RETAINED_DIR_PREFIX
 def rebuild(rec: RetainedRecord, pagecache_dir: str, crc_file: str, lba_size: int,
             allocator: ExtentAllocator) -> Entry:
     """The entry of a journal record (ValueError where the record, its crcs or its storage disagree)."""
-    geometry = Geometry(**{f: int(rec.geometry[f]) for f in GEOMETRY_FIELDS})
+    geometry = Geometry.from_dict(rec.geometry)
     plan = plan_session(geometry, Mode.DUALBLADE, rec.grant, lba_size)
     blocks = len(rec.hashes)
     crcs = np.fromfile(crc_file, dtype=np.uint32)
@@ -49,7 +49,7 @@ def rebuild(rec: RetainedRecord, pagecache_dir: str, crc_file: str, lba_size: in
 
 def verify(entry: Entry, ch: Channel) -> None:
     """Read every KPU of the entry back and compare each block's crc (ValueError naming the first bad one)."""
-    geometry = Geometry(**{f: int(entry.rec.geometry[f]) for f in GEOMETRY_FIELDS})
+    geometry = Geometry.from_dict(entry.rec.geometry)
     B, n, tb = entry.rec.block_tokens, entry.tokens, geometry.token_bytes
     for f in entry.pagecache.file_paths():  # a missing file would read back as zeroes
         if not os.path.exists(f):

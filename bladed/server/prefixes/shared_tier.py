@@ -7,7 +7,7 @@ token before it, so a key names one exact prefix of one model):
 Its value is a header (magic, format, payload length, crc32c of the payload,
 HMAC-SHA256 tag) and the block's token rows of every KPU, KPU after KPU.  The
 tag is keyed by the fleet secret (``prefix.shared_secret_file``) and covers
-the key, the scope, the whole seed (model, dtype, KV shape), the block's index
+the key, the scope, the whole seed (model, dtype, KV shape and storage format), the block's index
 and chain hash and the payload (:func:`mac`): a value is served only under
 the key, scope and position it was published for, and only if a box holding
 the secret wrote it.  A swapped, copied or forged value is a miss

@@ -26,8 +26,9 @@ def open_geometry(body: dict[str, Any]) -> tuple[Geometry, Mode]:
     raw = get_field(body, "geometry", dict)
     dims = {k: get_field(raw, k, int, minimum=1, maximum=MAX_LAYERS if k == "layers" else None,
                          prefix="geometry.") for k in GEOMETRY_FIELDS}
+    fmt = get_field(raw, "kv_format", str, default="", prefix="geometry.")
     try:
-        geometry = Geometry(**dims)
+        geometry = Geometry(**dims, kv_format=fmt)
     except (TypeError, ValueError) as e:
         raise RequestError(ErrorCode.BAD_REQUEST, f"bad geometry: {e}") from None
     try:

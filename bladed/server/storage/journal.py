@@ -69,8 +69,8 @@ class RetainedRecord:
     dtype: str
     #: hex of the key's seed (``bladed.server.prefixes.keys.seed_of``: model, dtype and KV shape)
     seed: str
-    #: the geometry fields of the entry (``max_tokens`` = the tokens it holds)
-    geometry: dict[str, int]
+    #: the geometry fields of the entry (``max_tokens`` = the tokens it holds; ``kv_format`` when named)
+    geometry: dict[str, int | str]
     block_tokens: int
     #: the block hash chain (``bladed.server.prefixes.keys.block_chain``)
     hashes: list[str]
