@@ -111,3 +111,29 @@ def test_sweep_end_to_end(store_dir: str, tmp_path: pathlib.Path) -> None:
                                              marked))
     assert main(["report", js, "--out", md]) == 0
     assert "hand-written words" in pathlib.Path(md).read_text()
+
+
+def test_sweep_with_kv_formats(store_dir: str, tmp_path: pathlib.Path) -> None:
+    """Issue 31's configurations: Dual-Blade and Baseline on q8 rows beside plain Dual-Blade, in one round; the
+    q8 runs move the format's bytes (a token row of 4 x 512 values: 64 blocks of 34 bytes, not 4096), are charged
+    the codec rates measured on this CPU, and the report has their ratios."""
+    js, md = str(tmp_path / "kv-sweep-formats.json"), str(tmp_path / "kv-report.md")
+    rc = main(["sweep", *TINY, "--configs", "dualblade,dualblade-q8,baseline-q8", "--limits", "0.25",
+               "--pp-limits", "", "--alphas", "", "--noreplan-limits", "", "--reps", "1", "--no-drop",
+               "--no-settle", "--fio-size", "8M", "--pc-probe-size", "8M",
+               "--workdir", os.path.join(store_dir, "w"), "--json", js, "--report", md])
+    assert rc == 0
+    with open(js) as f:
+        doc = json.load(f)
+    runs = {(r["config"], r["kv_format"]): r for r in doc["runs"]}
+    assert set(runs) == {("dualblade", None), ("dualblade", "q8"), ("baseline", "q8")}
+    assert [r for r in runs.values() if "error" in r] == []
+    q8_row = 64 * 34
+    for (_cfg, fmt), r in runs.items():
+        row = q8_row if fmt else 4096
+        assert r["bytes"]["decode_read"] == 2 * 4 * sum(32 + i - 1 for i in range(1, 5)) * row
+        assert r["verify"]["errors"] == 0
+    assert runs[("dualblade", "q8")]["label"] == "Dual-Blade q8"
+    assert doc["codec"]["q8"]["quantize_gbps"] > 0 and doc["codec"]["q8"]["dequantize_gbps"] > 0
+    text = pathlib.Path(md).read_text()
+    assert "## KV formats (issue 31)" in text and "decode dualblade-q8 / baseline-q8" in text

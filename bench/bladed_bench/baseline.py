@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import mmap
 import os
 import socket
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from bladed.kvformat import kv_format
 from bladed.residency.geometry import Geometry
 from bladed.sizes import align_up
 from bladed_bench.repo import repo_env
@@ -67,15 +69,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class TorchDiskStore:
     """2L memmap'd ``.npy`` files and the copies between them and the relay buffers."""
 
-    def __init__(self, directory: str, geometry: dict[str, int]) -> None:
+    def __init__(self, directory: str, geometry: dict[str, Any]) -> None:
         from bladed.io.pagecache import cachestat
 
         self._cachestat = cachestat
         self.dir = directory
         self.g = geometry
-        self.shape = (geometry["max_tokens"], geometry["batch"] * geometry["kv_heads"], geometry["head_dim"])
-        self.token_bytes = geometry["batch"] * geometry["kv_heads"] * geometry["head_dim"] * geometry["dtype_bytes"]
-        self.dtype = {2: np.float16, 4: np.float32, 1: np.uint8, 8: np.float64}[geometry["dtype_bytes"]]
+        shape = Geometry.from_dict(geometry)
+        self.token_bytes = shape.token_bytes
+        if shape.kv_format and not kv_format(shape.kv_format).plain:
+            # a quantized format: FlexLLMGen's files hold its rows of bytes, one per token
+            self.shape: tuple[int, ...] = (shape.max_tokens, shape.token_bytes)
+            self.dtype: Any = np.uint8
+        else:
+            self.shape = (shape.max_tokens, shape.batch * shape.kv_heads, shape.head_dim)
+            self.dtype = {2: np.float16, 4: np.float32, 1: np.uint8, 8: np.float64}[shape.dtype_bytes]
         os.makedirs(directory, exist_ok=True)
         self.paths: dict[tuple[int, int], str] = {}
         self.fds: dict[tuple[int, int], int] = {}
@@ -147,7 +155,7 @@ def child_main(argv: list[str] | None = None) -> int:
     mapping = mmap.mmap(a.memfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     store = TorchDiskStore(a.dir, g)
     shape = store.shape
-    elems = shape[0] * shape[1] * shape[2]
+    elems = math.prod(shape)
     socks = [socket.socket(fileno=fd) for fd in fds]
     relays = [np.frombuffer(mapping, dtype=store.dtype, count=elems, offset=ch * a.slot_stride).reshape(shape)
               for ch in range(len(socks))]
@@ -173,11 +181,11 @@ def child_main(argv: list[str] | None = None) -> int:
 class TorchDiskClient:
     """Starts the child (optionally through a cgroup launcher) and talks to its copy threads."""
 
-    def __init__(self, directory: str, geometry: dict[str, int], channels: int = 2,
+    def __init__(self, directory: str, geometry: dict[str, Any], channels: int = 2,
                  launcher: Any = None, align: int = 4096) -> None:
         self.geometry = geometry
         self.channels = channels
-        g = Geometry(**geometry)
+        g = Geometry.from_dict(geometry)
         self.token_bytes = g.token_bytes
         self.kpu_bytes = g.kpu_bytes
         self.slot_stride = align_up(self.kpu_bytes, align)

@@ -64,6 +64,26 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dma-gbps", type=float, default=25.0, help="modelled DMA rate (PCIe 5.0 x8 class)")
 
 
+def _configs(text: str) -> list[str]:
+    """``--configs``: names of CONFIGS, each optionally with a KV format (``dualblade-q8``, ``baseline-q8``)."""
+    from bladed.kvformat import KVFormatError, kv_format
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    for name in out:
+        config, _, fmt = name.partition("-")
+        if config not in CONFIGS:
+            raise argparse.ArgumentTypeError(f"{name!r}: choose from {', '.join(CONFIGS)}, each optionally with a "
+                                             "KV format (dualblade-q8)")
+        if fmt:
+            try:
+                kv_format(fmt)
+            except KVFormatError as e:
+                raise argparse.ArgumentTypeError(f"{name!r}: {e}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(CONFIGS)} (got {text!r})")
+    return out
+
+
 def _spec(a: argparse.Namespace, pipeline: str) -> WorkloadSpec:
     return WorkloadSpec(layers=a.layers, batch=a.batch, kv_heads=a.kv_heads, head_dim=a.head_dim,
                         dtype_bytes=a.dtype_bytes, prompt_len=a.prompt_len, gen_len=a.gen_len, channels=a.channels,
@@ -155,7 +175,9 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="the full sweep (root: cgroups and drop_caches)")
     _workload_args(s)
     s.add_argument("--limits", type=_floats, default=[0.5, 1.0, 1.5, 2.0, 2.5, 3.0], help="GiB, comma-separated")
-    s.add_argument("--configs", type=_names(CONFIGS), default=list(CONFIGS))
+    s.add_argument("--configs", type=_configs, default=list(CONFIGS),
+                   help="comma-separated; each may name a KV format: dualblade-q8, dualblade-q4, baseline-q8 "
+                        "(issue 31; the runs are charged this CPU's measured quantize/dequantize time)")
     s.add_argument("--pipelines", type=_names(PIPELINES), default=["adaptive", "off"],
                    help="first: the main sweep's; the others for the on/off and alpha studies")
     s.add_argument("--pp-limits", type=_floats, default=[1.0], help="limits (GiB) of the P·P on/off study")

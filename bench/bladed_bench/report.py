@@ -49,9 +49,17 @@ def load(paths: Iterable[str]) -> dict[str, Any]:
 
 
 def ok_runs(doc: dict[str, Any], study: str | None = None, config: str | None = None,
-            pipeline: str | None = None) -> list[dict[str, Any]]:
+            pipeline: str | None = None, kv_format: str | None = None) -> list[dict[str, Any]]:
+    """The runs that ended, of one study / config / pipeline; of plain rows unless ``kv_format`` names one
+    (the paper's figures compare plain rows; the formats have their own table)."""
     return [r for r in doc["runs"] if "error" not in r and (study is None or r["study"] == study)
-            and (config is None or r["config"] == config) and (pipeline is None or r["pipeline"] == pipeline)]
+            and (config is None or r["config"] == config) and (pipeline is None or r["pipeline"] == pipeline)
+            and r.get("kv_format") == kv_format]
+
+
+def run_name(r: dict[str, Any]) -> str:
+    """``dualblade``, ``dualblade-q8``: the configuration as ``--configs`` names it."""
+    return r["config"] + (f"-{r['kv_format']}" if r.get("kv_format") else "")
 
 
 def by_key(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, list[dict[str, Any]]]:
@@ -704,6 +712,38 @@ def table5_lines(doc: dict[str, Any], png: Callable[[str], str]) -> list[str]:
     return L
 
 
+def format_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
+    """Issue 31's ratios: each per limit, median over the rounds of the ratio within a round (same limit, same
+    repetition): decode q8 / plain Dual-Blade, decode Dual-Blade q8 / Baseline q8, prefill q8 / plain."""
+    runs = [r for r in doc["runs"] if "error" not in r and r["study"] == "sweep"]
+    fmts = sorted({r["kv_format"] for r in runs if r.get("kv_format")})
+    if not fmts:
+        return []
+    rounds = by_key(runs, lambda r: (r.get("round"), r["limit_bytes"]))
+    L = ["## KV formats (issue 31)", "",
+         "Codec rates charged (this CPU, GB/s of decoded input): " + ", ".join(
+             f"{f} quantize {c['quantize_gbps']:.2f} / dequantize {c['dequantize_gbps']:.2f}"
+             for f, c in sorted(doc.get("codec", {}).items()) if c.get("quantize_gbps")), ""]
+    head = ["limit (GiB)"]
+    cols: list[tuple[str, str, str]] = []
+    for f in fmts:
+        cols += [(f"dualblade-{f}", "dualblade", "decode_s"), (f"dualblade-{f}", f"baseline-{f}", "decode_s"),
+                 (f"dualblade-{f}", "dualblade", "prefill_s")]
+    head += [f"{'prefill' if fld == 'prefill_s' else 'decode'} {a} / {b}" for a, b, fld in cols]
+    rows = []
+    for lim in lims:
+        row = [gib(lim)]
+        for a, b, fld in cols:
+            ratios = []
+            for (_rnd, rl), rs in rounds.items():
+                by = {run_name(r): r for r in rs}
+                if rl == lim and a in by and b in by and get(by[a], fld) and get(by[b], fld):
+                    ratios.append(get(by[a], fld) / get(by[b], fld))
+            row.append(fmt(summarize(ratios), 3))
+        rows.append(row)
+    return [*L, _table(head, rows), ""]
+
+
 def closing_lines(analysis: str | None) -> list[str]:
     """The analysis (hand-written, kept across regenerations) and how to reproduce the sweep."""
     return ["## Analysis", "", analysis or "<!-- analysis:begin -->\n(to be written)\n<!-- analysis:end -->", "",
@@ -735,6 +775,7 @@ def render(doc: dict[str, Any], *, png_prefix: str = "kv", png_dir_rel: str = ".
         pipeline_lines(doc),
         *(diagnostic_lines(doc, study) for study in DIAGNOSTICS),
         table5_lines(doc, png),
+        format_lines(doc, lims),
         closing_lines(analysis),
     ]
     return "\n".join(line for section in sections for line in section)

@@ -37,7 +37,7 @@ from typing import Any
 
 from bladed.residency.damon import pageout_schemes
 from bladed.sizes import PAGE_SIZE, align_up
-from bladed_bench import environment, probes
+from bladed_bench import codec, environment, probes
 from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
 from bladed_bench.metrics import (
     DiskSampler,
@@ -82,6 +82,12 @@ class Point:
     dma: str | None = None       # None: the plan's workload setting
     live_replan: bool | None = None  # None: the daemon's default (budget.live_replan)
     engine: str | None = None        # None: the daemon's default (io.engine = "auto")
+    kv_format: str | None = None     # None: plain rows of the workload's dtype; else q8, q4, fp16, ... (issue 31)
+
+    @property
+    def name(self) -> str:
+        """The configuration as the sweep's ``--configs`` names it (``dualblade``, ``dualblade-q8``)."""
+        return self.config + (f"-{self.kv_format}" if self.kv_format else "")
 
     @property
     def round_key(self) -> tuple[str, int | None, float | None]:
@@ -129,6 +135,12 @@ def headroom_override(limit: int, kpu_bytes: int, frac: float, channels: int = 2
     return max(0, int(limit - channels * stride - DAEMON_ANON_ESTIMATE - frac * limit))
 
 
+def split_config(name: str) -> tuple[str, str | None]:
+    """``dualblade-q8`` -> ``("dualblade", "q8")``; ``baseline`` -> ``("baseline", None)``."""
+    config, _, fmt = name.partition("-")
+    return config, fmt or None
+
+
 def default_points(configs: list[str], limits: list[int], pipelines: list[str], *,
                    pp_limits: list[int] | None = None, alphas: list[float] | None = None, kv_bytes: int = 0,
                    kpu_bytes: int = 0, alpha_headroom: int = 256 * MiB, headroom_limits: list[int] | None = None,
@@ -137,10 +149,14 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
                    portable_limits: list[int] | None = None) -> list[Point]:
     """The main sweep, the pipeline on/off study, the budget-headroom and no-live-replan diagnostics and
     the Table V study."""
-    pts = [Point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
+    def point(study: str, name: str, pipeline: str, lim: int) -> Point:
+        config, fmt = split_config(name)
+        return Point(study, config, pipeline, lim, kv_format=fmt)
+
+    pts = [point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
     for lim in pp_limits or []:
         for pl in pipelines[1:]:
-            pts.extend(Point("pipeline", c, pl, lim) for c in configs)
+            pts.extend(point("pipeline", c, pl, lim) for c in configs)
     for lim in headroom_limits or []:
         pts.append(Point("headroom", "dualblade", pipelines[0], lim,
                          budget_override=headroom_override(lim, kpu_bytes, headroom_frac)))
@@ -268,6 +284,9 @@ class SweepRunner:
         self.sysdir = block_device_of(plan.workdir)
         self.progress = progress
         self._drop_ok = plan.drop and can_drop_caches()
+        #: the codec rates of each KV format the points use (charged to their runs: bladed_bench/codec.py)
+        self.codec = {f: codec.measure(f, plan.spec) for f in sorted({p.kv_format for p in plan.points
+                                                                       if p.kv_format})}
 
     def make_target(self, p: Point, spec: WorkloadSpec, state_dir: str, cg: MemCgroup | None) -> KVTarget:
         launcher = cg.launcher if cg is not None else None
@@ -285,10 +304,15 @@ class SweepRunner:
 
     def run_point(self, p: Point, rep: int, keep_series: bool) -> dict[str, Any]:
         spec = replace(self.plan.spec, pipeline=p.pipeline, dma=p.dma or self.plan.spec.dma)
+        if p.kv_format:
+            rates = self.codec[p.kv_format]
+            spec = replace(spec, kv_format=p.kv_format, quantize_gbps=rates["quantize_gbps"],
+                           dequantize_gbps=rates["dequantize_gbps"])
         state_dir = os.path.join(self.plan.workdir, "run")
         shutil.rmtree(os.path.join(state_dir, "pagecache"), ignore_errors=True)
         shutil.rmtree(os.path.join(state_dir, "torchdisk"), ignore_errors=True)
-        rec: dict[str, Any] = {"study": p.study, "config": p.config, "label": LABELS[p.config],
+        rec: dict[str, Any] = {"study": p.study, "config": p.config, "kv_format": p.kv_format,
+                               "label": LABELS[p.config] + (f" {p.kv_format}" if p.kv_format else ""),
                                "pipeline": p.pipeline, "limit_bytes": p.limit_bytes, "alpha": p.alpha,
                                "budget_override": p.budget_override, "rep": rep, "dma": spec.dma,
                                "live_replan": p.live_replan, "engine": p.engine,
@@ -392,6 +416,7 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
                  "memory_settle": plan.settles_memory, "order": "williams",
                  "sample_interval": plan.sample_interval, "notes": plan.notes},
         "rounds": [], "runs": [], "reference": {},
+        "codec": runner.codec,
     }
     lock = threading.Lock()
 
@@ -421,13 +446,14 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
             for p in [pts[i] for i in balanced_order(len(pts), rep)]:
                 if bar is not None:
                     lim = f"{p.limit_bytes / GiB:.2f}G" if p.limit_bytes else "nolimit"
-                    bar.set_postfix_str(f"rep {rep + 1}/{plan.reps} {p.study} {p.config}/{p.pipeline} {lim}")
+                    bar.set_postfix_str(f"rep {rep + 1}/{plan.reps} {p.study} {p.name}/{p.pipeline} {lim}")
                 keep = plan.keep_series == "all" or (plan.keep_series == "lowest" and p.limit_bytes == lowest
                                                      and p.study == "sweep")
                 try:
                     rec = runner.run_point(p, rep, keep)
                 except Exception as e:  # one failed run must not lose the sweep
-                    rec = {"study": p.study, "config": p.config, "pipeline": p.pipeline, "rep": rep,
+                    rec = {"study": p.study, "config": p.config, "kv_format": p.kv_format, "pipeline": p.pipeline,
+                           "rep": rep,
                            "limit_bytes": p.limit_bytes, "alpha": p.alpha, "error": f"{type(e).__name__}: {e}"}
                 rec["round"] = len(doc["rounds"]) - 1
                 doc["runs"].append(rec)

@@ -74,19 +74,33 @@ class WorkloadSpec:
     prefill_compute_ms: float = 0.0  # per layer in prefill
     dma: str = "none"                # none | model | copy
     dma_gbps: float = 25.0
+    kv_format: str = ""              # "" (rows of dtype_bytes), or bladed.kvformat's name: fp16, q8, q4, ...
+    #: the codec's measured rates (GB/s of decoded input, this CPU): each write is charged its quantize time, each
+    #: read its dequantize time (issue 31: the sweep charges what the inference process would spend)
+    quantize_gbps: float = 0.0
+    dequantize_gbps: float = 0.0
 
     @property
     def max_tokens(self) -> int:
         return self.prompt_len + self.gen_len
 
-    def geometry(self) -> dict[str, int]:
-        return {"layers": self.layers, "batch": self.batch, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "dtype_bytes": self.dtype_bytes, "max_tokens": self.max_tokens}
+    def geometry(self) -> dict[str, int | str]:
+        g: dict[str, int | str] = {"layers": self.layers, "batch": self.batch, "kv_heads": self.kv_heads,
+                                   "head_dim": self.head_dim, "dtype_bytes": self.dtype_bytes,
+                                   "max_tokens": self.max_tokens}
+        if self.kv_format:
+            g["kv_format"] = self.kv_format
+        return g
 
     @property
     def shape(self) -> Geometry:
         """The session geometry this workload opens (sizes as the daemon computes them)."""
-        return Geometry(**self.geometry())
+        return Geometry.from_dict(self.geometry())
+
+    @property
+    def decoded_token_bytes(self) -> int:
+        """One token of one KPU as the model holds it (``B*H*D*e``), whatever the stored format."""
+        return self.batch * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def token_bytes(self) -> int:
@@ -398,6 +412,14 @@ class Workload:
             else:
                 time.sleep(ntok * spec.token_bytes / (spec.dma_gbps * 1e9))
 
+    def _codec(self, ntok: int, quantize: bool) -> None:
+        """The inference process's quantize (before a write) or dequantize (after a read) time, at the measured
+        rate (WorkloadSpec.quantize_gbps / dequantize_gbps); nothing for plain rows."""
+        spec = self.spec
+        rate = spec.quantize_gbps if quantize else spec.dequantize_gbps
+        if spec.kv_format and rate > 0:
+            time.sleep(ntok * spec.decoded_token_bytes / (rate * 1e9))
+
     def _stamp(self, ch: int, layer: int, kind: str, t0: int, n: int) -> None:
         rows = self._rows[ch]
         rows[t0:t0 + n, 0] = np.uint64(_stamp_base(layer, kind)) + np.arange(t0, t0 + n, dtype=np.uint64)
@@ -432,6 +454,7 @@ class Workload:
 
             def job() -> Any:
                 self._dma(ch, n, to_gpu=False)      # GPU -> pinned slot
+                self._codec(n, quantize=True)
                 self._stamp(ch, layer, kind, t0, n)
                 return self._io(trace, "prefill" if step == 0 else "decode", step, "write", layer, kind, ch, t0, n)
 
@@ -448,6 +471,7 @@ class Workload:
                     return rec
 
                 def dm(ch: int = ch) -> None:
+                    self._codec(ntok, quantize=False)
                     self._dma(ch, ntok, to_gpu=True)
 
                 jobs.append(LoadJob(read=rd, dma=dm, nbytes=ntok * spec.token_bytes))
