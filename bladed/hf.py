@@ -21,6 +21,15 @@ is resident: after a layer's update its tensors are dropped, and the next
 layer's K/V is read back ahead of use on the copy threads (layer-ahead
 prefetch), through the staging slots shared with the daemon.
 
+KV formats: ``BladedCache.open(..., kv_format="q8")`` (or a backend whose geometry has a
+``kv_format``, :func:`geometry_for`) stores the K/V rows in that format (``bladed.kvformat``:
+``fp16``/``bf16``/``fp32`` elements, ``q8``/``q4`` quantized in this process, on the model's
+device); what is read back is decoded into the cache's dtype. The bytes are the format's
+whatever the backend, so a cache over bladed equals one over ``MemoryKV`` of the same format bit
+for bit. The format's full-precision tail (``q4``: the newest 128 tokens; ``kv_tail=`` overrides it,
+0 turns it off) is attended to from the cache's own full-precision copy, not from the decoded rows
+(``bladed.kvstore.SlotTensors``).
+
 The cache talks to anything with the KV-backend shape (``geometry``,
 ``channels``, ``slot(ch)``, ``read``/``write(layer, kind, ch, token_start,
 ntokens)``, ``group(layer, kind)``; see ``bladed.kvstore``) or opens a
@@ -40,19 +49,23 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from bladed.kvstore import BladedKV, dtype_bytes
+from bladed.kvformat import KVFormat
+from bladed.kvformat import kv_format as parse_kv_format
+from bladed.kvstore import BladedKV, SlotTensors, full_precision_tail, kv_geometry, prefix_key_fields
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.residency.geometry import Geometry
 
 
-def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype) -> Geometry:
-    """The KV geometry of a transformers decoder config."""
+def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype,
+                 kv_format: str | KVFormat | None = None) -> Geometry:
+    """The KV geometry of a transformers decoder config, its rows stored as ``kv_format`` (None: ``dtype``'s own
+    elements; ``bladed.kvstore.kv_geometry``)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = cfg.num_attention_heads
     kvh = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return Geometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
-                         dtype_bytes=dtype_bytes(dtype), max_tokens=max_tokens)
+    return kv_geometry(layers=cfg.num_hidden_layers, batch=batch_size, kv_heads=kvh, head_dim=head_dim,
+                       max_tokens=max_tokens, dtype=dtype, kv_format=kv_format)
 
 
 @functools.cache
@@ -81,7 +94,7 @@ class _Transfer:
     """Copy threads + staging-slot views + the pipeline, shared by all layers of a cache."""
 
     def __init__(self, backend: Any, dtype: torch.dtype, device: torch.device, copy_threads: int,
-                 pipeline: PipelineMode, lossy_dtype: bool = False) -> None:
+                 pipeline: PipelineMode, lossy_dtype: bool = False, kv_tail: int | None = None) -> None:
         g = backend.geometry
         self.backend, self.geometry, self.device, self.dtype = backend, g, device, dtype
         self.cuda = device.type == "cuda"
@@ -89,10 +102,9 @@ class _Transfer:
         self.pipe = AdaptivePipeline(self.pool, pipeline)
         self.dma = TorchDma(device)
         self.ch = {"k": 0, "v": 1 % copy_threads}
-        self.views = []
-        for ch in range(min(copy_threads, backend.channels)):
-            raw = torch.frombuffer(backend.slot(ch), dtype=torch.uint8)[: g.kpu_bytes]
-            self.views.append(raw.view(dtype).view(g.max_tokens, g.batch, g.kv_heads, g.head_dim))
+        # the slots as K/V tensors: encoded to / decoded from the geometry's KV format, if it has one
+        # and the newest ``tail`` tokens of each KPU kept at full precision here (kv_tail None: the backend's)
+        self.slots = SlotTensors(backend, dtype, tail=kv_tail)
         self.lossy_dtype = lossy_dtype
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -120,10 +132,9 @@ class _Transfer:
 
     def write(self, layer: int, kind: str, t0: int, x: torch.Tensor) -> None:
         ch = self.ch[kind]
-        view = self.views[ch]
 
         def job() -> Any:
-            self.dma.run(lambda: view[t0:t0 + x.shape[2]].copy_(x.permute(2, 0, 1, 3)))
+            self.dma.run(lambda: self.slots.put(ch, t0, x, layer=layer, kind=kind))
             return self.backend.write(layer, kind, ch, t0, x.shape[2])
 
         fut = self.pool.submit(ch, job)
@@ -139,18 +150,13 @@ class _Transfer:
         jobs = []
         for kind in ("k", "v"):
             ch = self.ch[kind]
-            view = self.views[ch]
 
             def rd(kind: str = kind, ch: int = ch) -> Any:
                 return self.backend.read(layer, kind, ch, 0, ntok)
 
-            def dm(view: torch.Tensor = view) -> torch.Tensor:
-                def cp() -> torch.Tensor:
-                    src = view[:ntok]
-                    dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-                    dst.copy_(src, non_blocking=self.cuda)
-                    return dst.permute(1, 2, 0, 3)
-                return self.dma.run(cp)
+            def dm(kind: str = kind, ch: int = ch) -> torch.Tensor:
+                return self.dma.run(lambda: self.slots.take(ch, ntok, self.device, non_blocking=self.cuda,
+                                                            layer=layer, kind=kind))
 
             jobs.append(LoadJob(read=rd, dma=dm, nbytes=ntok * self.geometry.token_bytes))
         return self.pipe.load(jobs, self.backend.group(layer, "k"))
@@ -163,7 +169,7 @@ class _Transfer:
     def close(self) -> None:
         self.pool.drain()
         self.pool.close()
-        self.views.clear()
+        self.slots.close()
         self.raise_errors()
 
 
@@ -291,15 +297,40 @@ class BladedCache(Cache):
     already holds the K/V of that many leading tokens of every layer (a reused prefix, see :meth:`open`);
     ``model_id`` names the model for :meth:`retain`; ``prompt_tokens`` (the prompt's length given at open)
     makes the first forward check that it brings the rest of that prompt.
+
+    KV formats: the backend's geometry says how the K/V rows are stored (``kv_format``, ``bladed.kvformat``;
+    :func:`geometry_for` and :meth:`open` take ``kv_format=``): the copy threads encode each update's K/V into
+    the format's rows and decode them back into ``dtype`` on ``device``. ``q8`` / ``q4`` (and a plain format
+    narrower than the model's dtype) round the KV: that is what was asked for, ``lossy_dtype`` is about
+    ``dtype`` only. ``kv_format`` given here must name the backend geometry's format (a check, no second
+    meaning).
+
+    ``kv_tail``: the newest tokens of each layer's K/V attended to at full precision from a copy the cache
+    keeps in memory (``dtype``, on the model's device), not from their decoded rows, which are written all
+    the same. None: the backend's ``kv_tail``, else the format's ``full_precision_tail`` (``q4``: 128, the
+    others 0); 0 turns it off (to measure the format alone). It costs ``2 * layers * tail * batch * kv_heads
+    * head_dim * dtype size`` bytes (:attr:`kv_tail`).
     """
 
     def __init__(self, backend: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  copy_threads: int = 2, prefetch: bool = True, pipeline: PipelineMode = "adaptive",
                  lossy_dtype: bool = False, cached_tokens: int = 0, model_id: str | None = None,
-                 prompt_tokens: int | None = None) -> None:
+                 prompt_tokens: int | None = None, kv_format: str | KVFormat | None = None,
+                 kv_tail: int | None = None) -> None:
+        if kv_format is not None:
+            want = parse_kv_format(kv_format).name if kv_format != "" else ""
+            have = backend.geometry.kv_format
+            if want != have:
+                raise ValueError(f"kv_format={want or ''!r} but the backend stores "
+                                 f"{repr(have) + ' rows' if have else 'plain rows (no kv_format)'}; open the backend "
+                                 f"with geometry_for(..., kv_format={want or None!r}), or leave kv_format out")
+        full_precision_tail(None, kv_tail)      # a negative kv_tail: ValueError, before any thread starts
         self.backend = backend
         self.geometry = backend.geometry
-        self._transfer = _Transfer(backend, dtype, torch.device(device), copy_threads, pipeline, lossy_dtype)
+        self._transfer = _Transfer(backend, dtype, torch.device(device), copy_threads, pipeline, lossy_dtype,
+                                   kv_tail)
+        #: the newest tokens of each layer's K/V attended to at full precision from memory (0: none)
+        self.kv_tail = self._transfer.slots.tail
         self.prefetch_enabled = prefetch
         self._iteration = -1
         #: leading prompt tokens whose K/V came from a retained prefix: ``generate`` does not compute them
@@ -315,10 +346,16 @@ class BladedCache(Cache):
     @classmethod
     def open(cls, config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype = torch.float32,
              mode: str = "dualblade", socket_path: str | None = None, client: Any = None,
-             channels: int = 2, *, prompt_ids: Any = None, model_id: str | None = None, **kw: Any) -> BladedCache:
+             channels: int = 2, *, prompt_ids: Any = None, model_id: str | None = None,
+             kv_format: str | KVFormat | None = None, kv_tail: int | None = None, **kw: Any) -> BladedCache:
         """Open a bladed session sized for ``config`` and wrap it.
 
         ``socket_path`` None: the socket :func:`bladed.config.find_socket` finds, as ``bladectl`` does.
+
+        ``kv_format``: how the session stores the K/V rows (``fp16``, ``bf16``, ``fp32``, ``q8``, ``q4``, ...;
+        None: ``dtype``'s own elements, as always). The daemon sizes the session by the format's rows; the
+        cache quantizes and dequantizes in this process. ``KVFormatError`` (a ValueError) names a format the
+        model's ``head_dim`` does not fit. ``kv_tail``: the full-precision tail (None: the format's; 0: off).
 
         ``prompt_ids`` (batch 1: a tensor ``[1, n]`` or ``[n]``, or a list): reuse a prefix bladed retained
         for the same model (``model_id``, default ``config.name_or_path``), dtype and KV shape. The daemon
@@ -329,7 +366,8 @@ class BladedCache(Cache):
         """
         from bladed.client import Client, PrefixKey  # floor 2: only the client library
 
-        geo = geometry_for(config, batch_size, max_tokens, dtype)
+        geo = geometry_for(config, batch_size, max_tokens, dtype, kv_format)
+        full_precision_tail(geo.kv_format, kv_tail)   # a negative kv_tail before a session is opened
         model = model_id or getattr(config, "name_or_path", "") or None
         key, tokens = None, []
         if prompt_ids is not None:
@@ -342,7 +380,7 @@ class BladedCache(Cache):
             if model is None:
                 raise ValueError("prefix reuse needs the model's identity and config.name_or_path is empty; pass "
                                  "model_id= (a name that tells the model's weights apart)")
-            key = PrefixKey(model, _dtype_name(dtype), tokens)
+            key = PrefixKey(*prefix_key_fields(model, dtype, geo.kv_format), tokens)
         own = None
         if client is None:
             client = own = Client(socket_path=socket_path)
@@ -352,11 +390,20 @@ class BladedCache(Cache):
             if own is not None:
                 own.close()
             raise
-        backend = BladedKV(sess, geo, owns_client=own)
+        try:
+            # refuses a session whose rows are not geo's
+            backend = BladedKV(sess, geo, owns_client=own, kv_tail=kv_tail)
+        except BaseException:
+            try:
+                sess.close()
+            finally:
+                if own is not None:
+                    own.close()
+            raise
         # a whole-prompt match still recomputes the last token: generate needs its logits to sample from
         cached = min(sess.prefix_tokens, len(tokens) - 1) if key is not None else 0
         cache = cls(backend, dtype=dtype, copy_threads=channels, cached_tokens=cached, model_id=model,
-                    prompt_tokens=len(tokens) if key is not None else None, **kw)
+                    prompt_tokens=len(tokens) if key is not None else None, kv_tail=kv_tail, **kw)
         cache.prefix_entry = sess.prefix_entry
         return cache
 
@@ -413,8 +460,8 @@ class BladedCache(Cache):
         ids = _token_ids(tokens)[: self.get_seq_length()]
         self._transfer.pool.drain()             # the daemon keeps what it has: every write must be there
         self._transfer.raise_errors()
-        out: dict[str, Any] = session.retain(ids, PrefixKey(self._model_id, _dtype_name(self._transfer.dtype)),
-                                             close=close)
+        key = PrefixKey(*prefix_key_fields(self._model_id, self._transfer.dtype, self.geometry.kv_format))
+        out: dict[str, Any] = session.retain(ids, key, close=close)
         if close:
             self.close()
         return out

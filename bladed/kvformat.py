@@ -64,8 +64,9 @@ class KVFormat:
     name: str
     #: values per quantization block along head_dim (1 for the plain formats)
     block: int
-    #: the newest tokens a client should attend to at full precision from its own memory instead of their
-    #: read-back rows (the rows are written all the same); what the accuracy measurement asks of the format
+    #: the newest tokens the clients (SlotTensors, BladedCache, the runner) attend to at full precision from
+    #: their memory instead of their read-back rows (the rows are written all the same), as the accuracy
+    #: measurement applied it
     full_precision_tail: ClassVar[int] = 0
 
     def check(self, head_dim: int) -> None:

@@ -13,6 +13,22 @@ store. Two implementations:
 
 ``SlotTensors`` gives torch views over a backend's slots, so copy threads move
 K/V between torch tensors and a slot with one ``copy_``.
+
+KV formats (``bladed.kvformat``): a geometry's ``kv_format`` says how a token
+row is stored. ``""`` (the default) stores the tensors' own elements, as
+bladed always did; a named format stores that format's rows (``fp16``,
+``bf16``, ``fp32``: the elements converted to it; ``q8``, ``q4``: quantized).
+``SlotTensors`` encodes K/V into the slot's rows and decodes them back into
+the caller's dtype, in this process and on the tensor's device; the backends
+move the rows as bytes, so ``MemoryKV`` and ``BladedKV`` of one geometry hold
+the same bytes and give the same tensors back.
+
+Full-precision tail (``KVFormat.full_precision_tail``: 128 for ``q4``, 0 for the others): ``SlotTensors``
+keeps, per layer and K/V, a ring of the last ``tail`` tokens it wrote, in the caller's dtype on the tensor's
+device, and a read of a KPU's tokens gives the newest ``min(tail, n)`` of them from that ring instead of
+their decoded rows (the rows are written all the same); what ``tools/bench_kv_accuracy.py`` measured. It
+costs ``2 * layers * tail * row_elems * dtype size`` of memory per ``SlotTensors``. ``kv_tail`` (of
+``SlotTensors``, ``MemoryKV``, ``BladedKV``) overrides the format's, 0 turns it off.
 """
 
 from __future__ import annotations
@@ -26,7 +42,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from bladed.residency.geometry import Geometry
+from bladed.kvformat import KVFormat, kv_format
+from bladed.residency.geometry import Geometry, tensor_id
 from bladed.residency.geometry import dtype_bytes as geometry_dtype_bytes
 
 Kind = Literal["k", "v"]
@@ -41,6 +58,69 @@ def dtype_bytes(dtype: torch.dtype) -> int:
         known = ", ".join(str(d).removeprefix("torch.") for d in KV_DTYPES)
         raise ValueError(f"KV dtype {dtype} is not supported; use one of {known}")
     return geometry_dtype_bytes(dtype)
+
+
+#: the plain formats' elements, by canonical name: their rows are these elements, no encoding but the dtype's
+PLAIN_FORMAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def plain_dtype(fmt: KVFormat | None) -> torch.dtype | None:
+    """The element dtype of a plain format (``fp16``, ``bf16``, ``fp32``); None for a quantized one or none."""
+    return None if fmt is None else PLAIN_FORMAT_DTYPES.get(fmt.name)
+
+
+def stored_format(geometry: Geometry) -> KVFormat | None:
+    """The format of ``geometry``'s token rows; None for rows of its own elements (``kv_format`` ``""``)."""
+    return kv_format(geometry.kv_format) if geometry.kv_format else None
+
+
+def kv_geometry(*, layers: int, batch: int, kv_heads: int, head_dim: int, max_tokens: int, dtype: torch.dtype,
+                kv_format: str | KVFormat | None = None) -> Geometry:
+    """The geometry of a KV cache of ``dtype`` tensors whose rows are stored as ``kv_format``.
+
+    ``kv_format`` None or ``""``: rows of ``dtype``'s own elements, unnamed (what bladed always stored). A plain
+    format (``fp16``, ``bf16``, ``fp32``) stores its own elements: the geometry's ``dtype_bytes`` is theirs
+    (fp16 rows of a float32 model are 2 bytes an element). A quantized one (``q8``, ``q4``) keeps ``dtype``'s
+    size as ``dtype_bytes`` (what the rows decode to). ``KVFormatError`` (a ValueError) for an unknown name or a
+    ``head_dim`` the format cannot store.
+    """
+    fmt = _format_of(kv_format)
+    plain = plain_dtype(fmt)
+    size = plain.itemsize if plain is not None else dtype_bytes(dtype)
+    return Geometry(layers=layers, batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=size,
+                    max_tokens=max_tokens, kv_format=fmt.name if fmt is not None else "")
+
+
+def prefix_key_fields(model: str, dtype: torch.dtype, kv_format: str | KVFormat | None = None) -> tuple[str, str]:
+    """``(model, dtype)`` of a ``bladed.client.PrefixKey`` for KV computed in ``dtype`` and stored as ``kv_format``.
+
+    The key's dtype must have the geometry's element size (:func:`kv_geometry`): ``dtype`` itself, but the
+    format's own dtype for a plain format of other elements (fp16 rows of a float32 model); the computing dtype
+    is then added to the model's name (``model+float32``), so that such KV is never served to a run computing in
+    the format's dtype. bladed itself keys an entry by the format as well (a miss across formats).
+    """
+    name = str(dtype).removeprefix("torch.")
+    plain = plain_dtype(_format_of(kv_format))
+    if plain is not None and plain != dtype:
+        return f"{model}+{name}", str(plain).removeprefix("torch.")
+    return model, name
+
+
+def full_precision_tail(fmt: str | KVFormat | None, kv_tail: int | None = None) -> int:
+    """The tokens a client attends to at full precision from its own memory: ``kv_tail`` if given (0: none),
+    else the format's :attr:`KVFormat.full_precision_tail` (0 without a format). ValueError, one line, for a
+    negative ``kv_tail``."""
+    if kv_tail is not None:
+        if isinstance(kv_tail, bool) or not isinstance(kv_tail, int) or kv_tail < 0:
+            raise ValueError(f"kv_tail={kv_tail!r}: the full-precision tail is a number of tokens, 0 or more "
+                             "(0 turns it off; leave it out for the format's own)")
+        return kv_tail
+    f = _format_of(fmt) if not isinstance(fmt, KVFormat) else fmt
+    return f.full_precision_tail if f is not None else 0
+
+
+def _format_of(spec: str | KVFormat | None) -> KVFormat | None:
+    return None if spec is None or spec == "" else kv_format(spec)
 
 
 @dataclass
@@ -134,10 +214,19 @@ class StatsBook:
 
 
 class MemoryKV:
-    """The reference backend: every KPU is a buffer in this process."""
+    """The reference backend: every KPU is a buffer in this process.
 
-    def __init__(self, geometry: Geometry, channels: int = 2, groups: dict[int, int] | None = None) -> None:
+    It keeps the slot's bytes, so a geometry with a ``kv_format`` holds that format's rows (``token_bytes`` of
+    them per token), the same bytes a bladed session of that geometry stores. ``kv_tail``: the full-precision
+    tail :class:`SlotTensors` over it keeps (None: the format's; 0: off; :func:`full_precision_tail`).
+    """
+
+    def __init__(self, geometry: Geometry, channels: int = 2, groups: dict[int, int] | None = None, *,
+                 kv_tail: int | None = None) -> None:
         self.geometry = geometry
+        self.kv_format = stored_format(geometry)
+        #: the full-precision tail of the clients over this backend (:func:`full_precision_tail`)
+        self.kv_tail = full_precision_tail(self.kv_format, kv_tail)
         self._channels = channels
         # page-aligned memory of its own per slot (anonymous mappings, not bytearrays that may share a page):
         # on CUDA the runner page-locks each slot, and a second registration of a shared page would fail
@@ -199,13 +288,17 @@ class BladedKV:
     ``session`` is an open ``Session``; ``geometry`` must be the one it was
     opened with. Use :meth:`open` to open the session from a client.
 
+    The geometry's ``kv_format`` is the session's (the daemon sizes the rows by it): the slots hold that
+    format's rows, which :class:`SlotTensors` encodes and decodes; a session whose rows are not the
+    geometry's size (a daemon that does not know KV formats) is refused with ValueError.
+
     With ``defer_writes`` a small write (a decode step's append) is not sent
     at once: its rows are copied to a spare area at the end of the channel's
     slot (``DEFER_ROWS`` rows; the KPU-shaped part of the slot is free for the
     next copy at once) and the channel's next read carries the write in the
     same batched request: one request per channel and layer instead of two.
-    A read of a KPU with a write pending sends that write first; a full spare
-    area, a large write, :meth:`flush` and :meth:`close` send what is pending.
+    A read or a write of a KPU with a write pending sends that write first; a full
+    spare area, a large write, :meth:`flush` and :meth:`close` send what is pending.
     For callers that do not wait for their writes anyway (the runner with
     ``overlap``): a failed deferred write raises at the request that carried
     it.
@@ -213,13 +306,25 @@ class BladedKV:
     Opened with a ``prefix`` key (``bladed.client.PrefixKey``), the session may
     start with the KV of a retained prefix (:attr:`prefix_tokens`), and
     :meth:`retain` keeps the session's KV as one when the run is over.
+
+    ``kv_tail``: the full-precision tail :class:`SlotTensors` over it keeps in this process (None: the
+    format's, ``q4``: 128; 0: off; :func:`full_precision_tail`); the session stores every row all the same.
     """
 
     def __init__(self, session: Any, geometry: Geometry, owns_client: Any = None, *,
-                 defer_writes: bool = False) -> None:
+                 defer_writes: bool = False, kv_tail: int | None = None) -> None:
         self.session = session
         self.geometry = geometry
+        self.kv_format = stored_format(geometry)
+        #: the full-precision tail of the clients over this backend (:func:`full_precision_tail`)
+        self.kv_tail = full_precision_tail(self.kv_format, kv_tail)
         self._client = owns_client
+        rows = getattr(session, "token_bytes", None)
+        if isinstance(rows, int) and rows != geometry.token_bytes:
+            what = f"{geometry.kv_format} rows" if geometry.kv_format else "rows"
+            raise ValueError(f"the bladed session has token rows of {rows} bytes, the geometry's {what} are "
+                             f"{geometry.token_bytes} bytes; open the session with this geometry (a daemon that "
+                             "does not know KV formats ignores kv_format: upgrade it)")
         self._groups: dict[tuple[int, str], int] = {}
         self._paths: dict[tuple[int, str], str] = {}
         plan = getattr(session, "plan", None) or {}
@@ -241,10 +346,11 @@ class BladedKV:
     @classmethod
     def open(cls, geometry: Geometry, mode: str = "dualblade", channels: int = 2,
              socket_path: str | None = None, client: Any = None, *, defer_writes: bool = False,
-             prefix: Any = None) -> BladedKV:
+             prefix: Any = None, kv_tail: int | None = None) -> BladedKV:
         """Open a session; ``prefix``: a ``PrefixKey`` to start from the longest retained prefix of its tokens."""
         from bladed import client as bclient  # floor 2: only the client library
 
+        full_precision_tail(geometry.kv_format, kv_tail)   # a bad kv_tail before a session is opened
         own = None
         if client is None:
             client = own = bclient.Client(socket_path=socket_path)
@@ -255,7 +361,15 @@ class BladedKV:
             if own is not None:
                 own.close()
             raise
-        return cls(sess, geometry, owns_client=own, defer_writes=defer_writes)
+        try:
+            return cls(sess, geometry, owns_client=own, defer_writes=defer_writes, kv_tail=kv_tail)
+        except BaseException:
+            try:
+                sess.close()
+            finally:
+                if own is not None:
+                    own.close()
+            raise
 
     @property
     def prefix_tokens(self) -> int:
@@ -304,7 +418,9 @@ class BladedKV:
         if not self.defer_writes or n > self._spare_rows:
             self.flush(ch)
             return self.session.write(layer, kind, ch, token_start=token_start, ntokens=ntokens)
-        if self._spare_used[ch] + n > self._spare_rows:
+        tid = tensor_id(layer, kind)
+        # a request names each KPU once: a second append of a KPU sends the first one before it is deferred
+        if self._spare_used[ch] + n > self._spare_rows or any(w.tensor_id == tid for w in self._deferred[ch]):
             self.flush(ch)
         tb, kpu = self.geometry.token_bytes, self.geometry.kpu_bytes
         at = kpu + self._spare_used[ch] * tb
@@ -347,20 +463,55 @@ class BladedKV:
 
 
 class SlotTensors:
-    """Torch views over a backend's staging slots, KPU-shaped: ``[max_tokens, batch, kv_heads, head_dim]``.
+    """Torch views over a backend's staging slots, and the K/V tensors they hold.
 
-    On CUDA the slot pages are registered (pinned) so H2D/D2H copies are real DMA.
+    ``dtype`` is the K/V tensors' dtype. Without a ``kv_format`` (the default) a slot is a KPU-shaped tensor
+    of ``dtype``, ``[max_tokens, batch, kv_heads, head_dim]`` (:attr:`views`), and :meth:`put` / :meth:`take`
+    copy tensors in and out with one ``copy_`` each. With a format, :meth:`put` encodes the tensor into the
+    slot's token rows (:attr:`rows`, uint8 ``[max_tokens, token_bytes]``) and :meth:`take` decodes them into
+    ``dtype``, on the tensor's device: a plain format (``fp16``, ``bf16``, ``fp32``) converts in the same
+    ``copy_`` (the slot views are of its dtype); a quantized one encodes straight into the slot's rows when
+    the tensor is in host memory, else on its device and copies the encoded rows (fewer bytes than the
+    tensor) to the slot, and decodes on the target device after the copy of the rows.
+
+    Full-precision tail (:attr:`tail`: ``tail`` given, else the backend's ``kv_tail``, else the format's
+    ``full_precision_tail``; 0: off, and nothing below happens): :meth:`put` with ``layer`` and ``kind`` also
+    keeps the K/V it is given, converted to ``dtype`` on its device, in a ring of that KPU's last ``tail``
+    tokens written; :meth:`take` with ``layer`` and ``kind`` gives the tokens the ring holds (the newest
+    ``min(tail, n)`` of a KPU's first ``n`` tokens once they were written in order) from the ring instead of
+    their decoded rows, exactly as written. Tokens this object never wrote (a retained prefix) and rows put
+    already encoded come from the rows. The rings take ``2 * layers * min(tail, max_tokens) * row_elems *
+    dtype size`` bytes once every KPU was written (:meth:`tail_bytes`).
+
+    On CUDA (``pin``) the slot pages are registered (pinned) so H2D/D2H copies are real DMA.
     """
 
-    def __init__(self, backend: KVBackend, dtype: torch.dtype, pin: bool = False) -> None:
+    def __init__(self, backend: KVBackend, dtype: torch.dtype, pin: bool = False, *,
+                 tail: int | None = None) -> None:
         g = backend.geometry
         self.geometry = g
+        self.dtype = dtype
+        #: the geometry's KV format (None: rows of ``dtype``'s own elements)
+        self.format = stored_format(g)
+        if tail is None:
+            tail = getattr(backend, "kv_tail", None)
+        #: the newest tokens of a KPU read back from this process's full-precision copy (0: none)
+        self.tail = full_precision_tail(self.format, tail)
+        self._ring_len = min(self.tail, g.max_tokens)
+        #: per (layer, kind): the ring (``[ring_len, batch, kv_heads, head_dim]`` of ``dtype``, token ``p`` at
+        #: ``p % ring_len``) and the tokens ``[lo, hi)`` it holds
+        self._rings: dict[tuple[int, str], list[Any]] = {}
+        #: the dtype of :attr:`views`; None for a quantized format (only :attr:`rows` then)
+        self.view_dtype: torch.dtype | None = dtype if self.format is None else plain_dtype(self.format)
         self.views: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
         self._registered: list[int] = []
         for ch in range(backend.channels):
             mv = backend.slot(ch)
             raw = torch.frombuffer(mv, dtype=torch.uint8)[: g.kpu_bytes]
-            t = raw.view(dtype).view(g.max_tokens, g.batch, g.kv_heads, g.head_dim)
+            self.rows.append(raw.view(g.max_tokens, g.token_bytes))
+            if self.view_dtype is not None:
+                self.views.append(raw.view(self.view_dtype).view(g.max_tokens, g.batch, g.kv_heads, g.head_dim))
             if pin and torch.cuda.is_available():
                 from bladed.client import clear_cuda_error
 
@@ -369,20 +520,147 @@ class SlotTensors:
                     self._registered.append(raw.data_ptr())
                 else:  # the copies stay pageable; torch must not trip over the error the call left
                     clear_cuda_error()
-            self.views.append(t)
 
-    def put(self, ch: int, token_start: int, kv: torch.Tensor) -> None:
-        """Copy ``kv`` (``[batch, kv_heads, n, head_dim]``) into the slot at ``token_start``."""
-        n = kv.shape[2]
-        self.views[ch][token_start:token_start + n].copy_(kv.permute(2, 0, 1, 3))
+    def put(self, ch: int, token_start: int, kv: torch.Tensor, *, layer: int | None = None,
+            kind: str | None = None) -> None:
+        """Put ``kv`` into the slot at ``token_start``, as the geometry's rows.
+
+        ``kv``: the K or V of ``n`` tokens, heads-first ``[batch, kv_heads, n, head_dim]`` (any float dtype,
+        any device), or rows already encoded in the session's format, uint8 ``[n, token_bytes]``. With
+        ``layer`` and ``kind`` and a full-precision tail, the K/V also goes to that KPU's ring. Anything
+        else is refused with a one-line ValueError naming the range (``layer``, ``kind``: for the message
+        only) and the sizes, before the slot is touched.
+        """
+        fmt = self.format
+        n = self._check(kv, token_start, layer, kind)
+        if self._ring_len and layer is not None and kind is not None:
+            self._keep_tail(layer, kind, token_start, kv)
+        if kv.dtype == torch.uint8:              # encoded rows: bytes as they are
+            self.rows[ch][token_start:token_start + n].copy_(kv)
+        elif self.view_dtype is not None:        # no format, or a plain one: one (converting) copy
+            self.views[ch][token_start:token_start + n].copy_(kv.permute(2, 0, 1, 3))
+        else:
+            assert fmt is not None
+            rows = self.rows[ch][token_start:token_start + n]
+            tokens_first = kv.permute(2, 0, 1, 3)
+            if kv.device == rows.device:
+                fmt.encode(tokens_first, out=rows)
+            else:                                # quantize on the tensor's device, copy the rows
+                rows.copy_(fmt.encode(tokens_first))
 
     def take(self, ch: int, ntokens: int, device: torch.device | str = "cpu",
-             non_blocking: bool = False) -> torch.Tensor:
-        """A device copy of the slot's first ``ntokens`` tokens, heads-first ``[batch, kv_heads, n, d]``."""
-        src = self.views[ch][:ntokens]
-        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-        dst.copy_(src, non_blocking=non_blocking)
-        return dst.permute(1, 2, 0, 3)
+             non_blocking: bool = False, token_start: int = 0, *, layer: int | None = None,
+             kind: str | None = None) -> torch.Tensor:
+        """The K/V of the slot's tokens ``[token_start, token_start + ntokens)`` on ``device``, heads-first
+        ``[batch, kv_heads, n, head_dim]`` of ``dtype`` (decoded from the format's rows if there is one).
+
+        With ``layer`` and ``kind`` (the KPU the slot was read from) and a full-precision tail, the tokens
+        that KPU's ring holds come from the ring instead (the values written, exactly)."""
+        g, fmt = self.geometry, self.format
+        end = token_start + ntokens
+        ring = self._rings.get((layer, str(kind))) if self._ring_len and layer is not None else None
+        if self.view_dtype is not None:
+            src = self.views[ch][token_start:end]
+            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+            dst.copy_(src, non_blocking=non_blocking)
+            if dst.dtype != self.dtype:          # a plain format of other elements: back to the caller's dtype
+                dst = dst.to(self.dtype)
+            if ring is not None:
+                self._apply_tail(ring, dst, token_start)
+            return dst.permute(1, 2, 0, 3)
+        assert fmt is not None
+        rows = self.rows[ch][token_start:end]
+        if torch.device(device).type != "cpu":   # copy the rows (fewer bytes), dequantize on the device
+            dev = torch.empty(rows.shape, dtype=torch.uint8, device=device)
+            dev.copy_(rows, non_blocking=non_blocking)
+            rows = dev
+        x = fmt.decode(rows, self.dtype, (g.batch, g.kv_heads, g.head_dim))
+        if x.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
+            x = x.clone()                        # never hand out the slot's memory: the next read reuses it
+        if ring is not None:
+            self._apply_tail(ring, x, token_start)
+        return x.permute(1, 2, 0, 3)
+
+    def tail_bytes(self) -> int:
+        """Bytes the full-precision rings hold now (``2 * layers * min(tail, max_tokens) * row_elems * dtype
+        size`` once every KPU was written; 0 without a tail)."""
+        return sum(int(r[0].numel()) * r[0].element_size() for r in self._rings.values())
+
+    def _keep_tail(self, layer: int, kind: str, start: int, kv: torch.Tensor) -> None:
+        """Keep the K/V of tokens ``[start, start + n)`` in the KPU's ring (encoded rows: drop what it held of
+        them, their full-precision values are unknown)."""
+        g, cap = self.geometry, self._ring_len
+        n = int(kv.shape[0] if kv.dtype == torch.uint8 else kv.shape[2])
+        end = start + n
+        ring = self._rings.get((layer, kind))
+        if kv.dtype == torch.uint8:
+            if ring is not None and start < ring[2] and end > ring[1]:
+                if start <= ring[1]:
+                    ring[1] = min(end, ring[2])  # the tokens after the encoded ones stay
+                else:
+                    ring[2] = start              # the ring holds one run of tokens: those before them stay
+            return
+        if ring is None:
+            buf = torch.empty((cap, g.batch, g.kv_heads, g.head_dim), dtype=self.dtype, device=kv.device)
+            ring = self._rings[(layer, kind)] = [buf, 0, 0]
+        lo, hi = ring[1], ring[2]
+        if start <= hi and end >= lo and hi > lo:  # one run with what the ring holds
+            lo, hi = min(lo, start), max(hi, end)
+        else:
+            lo, hi = start, end
+        lo = max(lo, hi - cap)
+        first = max(start, end - cap)            # only the last ``cap`` tokens of a long write are kept
+        if first < end:
+            src = kv[:, :, first - start:].permute(2, 0, 1, 3)
+            buf = ring[0]
+            a, b = first % cap, first % cap + (end - first)
+            if b <= cap:
+                buf[a:b].copy_(src)
+            else:                                # wraps around the ring's end
+                buf[a:].copy_(src[:cap - a])
+                buf[:b - cap].copy_(src[cap - a:])
+        ring[1], ring[2] = lo, hi
+
+    def _apply_tail(self, ring: list[Any], x: torch.Tensor, token_start: int) -> None:
+        """Put the ring's tokens into ``x`` (tokens-first, from ``token_start``) where they overlap it."""
+        buf, lo, hi = ring
+        cap = self._ring_len
+        a, b = max(lo, token_start), min(hi, token_start + int(x.shape[0]))
+        if a >= b:
+            return
+        if buf.device != x.device:
+            buf = buf.to(x.device)
+        i, j = a % cap, a % cap + (b - a)
+        dst = x[a - token_start:b - token_start]
+        if j <= cap:
+            dst.copy_(buf[i:j])
+        else:
+            dst[:cap - i].copy_(buf[i:])
+            dst[cap - i:].copy_(buf[:j - cap])
+
+    def _check(self, kv: torch.Tensor, token_start: int, layer: int | None, kind: str | None) -> int:
+        """The tokens in ``kv`` once it fits the slot's rows at ``token_start``; ValueError naming the range."""
+        g = self.geometry
+        fmt = self.format.name if self.format is not None else str(self.dtype).removeprefix("torch.")
+        rows = f"rows of batch x kv_heads x head_dim = {g.batch} x {g.kv_heads} x {g.head_dim} values " \
+               f"({fmt}: {g.token_bytes} bytes a row)"
+        encoded = kv.dtype == torch.uint8
+        n = int(kv.shape[0] if encoded else kv.shape[2]) if kv.dim() == (2 if encoded else 4) else -1
+        where = "KV" if layer is None else f"layer {layer} {str(kind).upper()}"
+        span = f"tokens [{token_start}, {token_start + n})" if n >= 0 else f"tokens from {token_start}"
+        if encoded:
+            if kv.dim() != 2 or kv.shape[1] != g.token_bytes:
+                size = f"rows of {kv.shape[1]} bytes" if kv.dim() == 2 else f"uint8 of shape {tuple(kv.shape)}"
+                raise ValueError(f"{where} {span}: encoded {size}, the session stores {rows}; encode them with "
+                                 f"bladed.kvformat.kv_format({fmt!r}) or pass the K/V tensor")
+        elif not kv.is_floating_point() or kv.dim() != 4 or (kv.shape[0], kv.shape[1], kv.shape[3]) != (
+                g.batch, g.kv_heads, g.head_dim):
+            shape = f"{kv.dtype} of shape {tuple(kv.shape)}"
+            raise ValueError(f"{where} {span}: {shape} is not [batch, kv_heads, tokens, head_dim] K/V of the "
+                             f"session's {rows}")
+        if token_start < 0 or token_start + n > g.max_tokens:
+            raise ValueError(f"{where} {span}: outside the session's {g.max_tokens} tokens")
+        return n
 
     def close(self) -> None:
         if self._registered and torch.cuda.is_available():
@@ -393,9 +671,12 @@ class SlotTensors:
                     clear_cuda_error()
         self._registered.clear()
         self.views.clear()
+        self.rows.clear()
+        self._rings.clear()
 
 
 __all__ = [
+    "PLAIN_FORMAT_DTYPES",
     "BladedKV",
     "Geometry",
     "KVBackend",
@@ -406,4 +687,9 @@ __all__ = [
     "SlotTensors",
     "StatsBook",
     "dtype_bytes",
+    "full_precision_tail",
+    "kv_geometry",
+    "plain_dtype",
+    "prefix_key_fields",
+    "stored_format",
 ]

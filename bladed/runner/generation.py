@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from bladed.kvstore import Geometry, Kind, KVBackend, SlotTensors, StatsBook, dtype_bytes
+from bladed.kvformat import kv_format as parse_kv_format
+from bladed.kvstore import Geometry, Kind, KVBackend, SlotTensors, StatsBook, full_precision_tail, kv_geometry
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.runner.models import DecoderModel
 
@@ -50,6 +51,16 @@ class Policy:
     the rest is offloaded to bladed. Weights and activations: the ``gpu`` share
     stays on the compute device, the rest is kept in host memory and moved per
     use (the same memory on a CPU-only host).
+
+    ``kv_format`` is how the offloaded KV is stored (``bladed.kvformat``, FlexLLMGen's
+    ``compress_cache`` generalised): ``""`` rows of the model's dtype, as always; ``fp16``,
+    ``bf16``, ``fp32`` rows of those elements; ``q8``, ``q4`` quantized rows. The copy threads
+    encode the K/V into the staging slot and decode it back on the compute device; the KV kept
+    on the device or in host memory is not affected.
+
+    ``kv_tail``: the newest tokens of each offloaded (layer, K/V) read back from a full-precision copy
+    kept on the compute device instead of their decoded rows (``bladed.kvstore.SlotTensors``; the rows are
+    written all the same). None: the format's ``full_precision_tail`` (``q4``: 128, the others 0); 0: off.
     """
 
     gpu_batch_size: int = 1
@@ -63,6 +74,8 @@ class Policy:
     overlap: bool = True
     pipeline: PipelineMode = "adaptive"
     copy_threads: int = 2
+    kv_format: str = ""
+    kv_tail: int | None = None
 
     @property
     def percent(self) -> list[float]:
@@ -141,6 +154,10 @@ class Runner:
         self.tiers = self.policy.cache_tiers(cfg.num_layers)
         if "disk" in self.tiers and kv_factory is None:
             raise ValueError("the policy offloads KV but no KV backend factory was given")
+        if self.policy.kv_format:                # KVFormatError naming the format and the head_dim
+            parse_kv_format(self.policy.kv_format).check(cfg.head_dim)
+        #: the full-precision tail of the offloaded KV (ValueError, one line, for a negative kv_tail)
+        self.kv_tail = full_precision_tail(self.policy.kv_format, self.policy.kv_tail)
         weight_tiers = self.policy.weight_tiers(cfg.num_layers)
         # a layer's weights stay on the compute device, or in (pinned) host memory and are copied per use
         self._device_weights: dict[int, dict[str, torch.Tensor]] = {}
@@ -280,8 +297,9 @@ class _Generation:
             return
         policy, cfg, dtype = self.policy, self.model.cfg, self.model.dtype
         assert self.runner.kv_factory is not None
-        geometry = Geometry(layers=len(self.backend_layer), batch=policy.gpu_batch_size, kv_heads=cfg.num_kv_heads,
-                            head_dim=cfg.head_dim, dtype_bytes=dtype_bytes(dtype), max_tokens=self.max_tokens)
+        geometry = kv_geometry(layers=len(self.backend_layer), batch=policy.gpu_batch_size, kv_heads=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim, max_tokens=self.max_tokens, dtype=dtype,
+                               kv_format=policy.kv_format)
         for _ in range(policy.num_gpu_batches):
             backend = self.runner.kv_factory(geometry)
             self.backends.append(backend)        # closed by close() even if it is refused below
@@ -289,7 +307,9 @@ class _Generation:
             if backend.channels < need:
                 raise ValueError(f"the KV backend has {backend.channels} staging slots, need {need}; open it with "
                                  f"channels >= {need}")
-            self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False)))
+            # the same tail whatever the backend: memory and bladed runs of one format give the same bits
+            self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False),
+                                          tail=self.runner.kv_tail))
 
     def reused_prefix(self) -> int:
         """The leading prompt tokens whose KV every backend already holds (a retained prefix), at most all
@@ -471,7 +491,7 @@ class _Generation:
         ntokens = self.position
         kinds: tuple[Kind, Kind] = ("k", "v")
         jobs = [LoadJob(read=partial(self._read_kv, backend, backend_layer, kind, ntokens),
-                        dma=partial(self._copy_to_device, slots, self.channel[kind], ntokens),
+                        dma=partial(self._copy_to_device, slots, self.channel[kind], ntokens, backend_layer, kind),
                         nbytes=ntokens * backend.geometry.token_bytes) for kind in kinds]
         return self.pipeline.load(jobs, backend.group(backend_layer, "k"))
 
@@ -481,11 +501,14 @@ class _Generation:
         self.stats.add(op, True)
         return op
 
-    def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int) -> torch.Tensor:
-        """Copy thread: DMA the staging slot's first ``ntokens`` tokens to the device, heads-first."""
-        # reads host memory only: no wait for the compute stream, so it overlaps the layer computing now
-        return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda),
-                            independent=True)
+    def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int, backend_layer: int,
+                        kind: Kind) -> torch.Tensor:
+        """Copy thread: DMA the staging slot's first ``ntokens`` tokens to the device, heads-first (decoded there
+        from the KV format's rows; the newest ``kv_tail`` of them from the full-precision copy)."""
+        # reads host memory only (and the tail's copy, written on this thread's stream): no wait for the
+        # compute stream, so it overlaps the layer computing now
+        return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda,
+                                               layer=backend_layer, kind=kind), independent=True)
 
     def _submit_write(self, layer: int, gpu_batch: int, kind: Kind, new: torch.Tensor) -> None:
         """Queue the write of ``new`` (this step's tokens of a K or V, at ``position``) on its copy thread."""
@@ -500,10 +523,10 @@ class _Generation:
 
     def _write_kv(self, backend: KVBackend, slots: SlotTensors, backend_layer: int, kind: Kind, token_start: int,
                   new: torch.Tensor, produced: Any = None) -> Any:
-        """Copy thread: copy ``new`` into the staging slot at ``token_start`` (on CUDA once the compute stream has
-        ``produced`` it), then write those tokens."""
+        """Copy thread: copy ``new`` into the staging slot at ``token_start`` (encoded in the KV format, on
+        ``new``'s device; on CUDA once the compute stream has ``produced`` it), then write those tokens."""
         channel = self.channel[kind]
-        self.dma.run(lambda: slots.put(channel, token_start, new), after=produced)
+        self.dma.run(lambda: slots.put(channel, token_start, new, layer=backend_layer, kind=kind), after=produced)
         op = backend.write(backend_layer, kind, channel, token_start, new.shape[2])
         self.stats.add(op, False)
         return op

@@ -23,7 +23,8 @@ import torch
 
 from bladed.client import MODES
 from bladed.config import ConfigError
-from bladed.kvstore import BladedKV, Geometry, KVBackend, MemoryKV
+from bladed.kvformat import FORMATS, KVFormatError, kv_format
+from bladed.kvstore import BladedKV, Geometry, KVBackend, MemoryKV, prefix_key_fields
 from bladed.pipeline import PIPELINE_MODES
 from bladed.protocol import BladedError, DaemonLostError, PermissionDeniedError, ShuttingDownError
 from bladed.residency.planner import Mode
@@ -81,6 +82,14 @@ def mode_name(v: str) -> str:
     try:
         return Mode.parse(v).value
     except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_format_name(v: str) -> str:
+    """``--kv-format``: a KV format's name (``bladed.kvformat``), as its canonical name (``float16``: ``fp16``)."""
+    try:
+        return kv_format(v).name
+    except KVFormatError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -173,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "model cache goes to $BLADED_CACHE_DIR if set, else DIR/models, else ~/.cache/bladed")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights and KV dtype (default: float16 on CUDA, float32 on CPU)")
+    p.add_argument("--kv-format", type=kv_format_name, default=None, metavar="{" + ",".join(FORMATS) + "}",
+                   help="how the KV offloaded to bladed (or --backend memory) is stored: fp16, bf16 or fp32 rows, "
+                        "or q8 / q4 rows quantized in this process on --device (blocks of 32 values along "
+                        "head_dim; q8:N, q4:N for blocks of N); the KV kept on the GPU or in host memory by "
+                        "--percent is not affected (default: rows of --dtype, as without the flag)")
+    p.add_argument("--kv-tail", type=int, default=None, metavar="N",
+                   help="the newest N tokens of each offloaded layer's K/V are attended to from a full-precision "
+                        "copy kept on --device, not from their stored rows (written all the same); 0 turns it "
+                        "off, to measure the format alone (default: the --kv-format's own: 128 for q4, else 0)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--stop-at-eos", type=str2bool, nargs="?", const=True, default=None, metavar="BOOL",
                    help="stop once every sequence has produced the end-of-sequence token "
@@ -203,6 +221,9 @@ def check_args(a: argparse.Namespace) -> None:
         if gpu + cpu > 100:
             raise UsageError(f"--percent {given}: the {pair} pair sums to {gpu:g} + {cpu:g} = {gpu + cpu:g}, "
                              f"more than 100; {fix}")
+    if a.kv_tail is not None and a.kv_tail < 0:
+        raise UsageError(f"--kv-tail {a.kv_tail}: the full-precision tail is a number of tokens; give --kv-tail 0 "
+                         "(off) or more, or leave it out for the --kv-format's own")
     try:
         model_kind(a.model)
     except ValueError as e:
@@ -309,8 +330,9 @@ def format_report(res: GenerationResult, model_bytes: int, cache_bytes: int, hid
         f"{t['total_throughput_tok_s']:.3f} token/s",
         f"time to first token: {res.ttft:.3f} s\t(KV open {res.open_latency:.3f} s + prefill "
         f"{res.prefill_latency:.3f} s)",
-        f"bladed: mode {info['mode']}  backend {info['backend']}  kv tiers {info['tiers']}  "
-        f"overlap {info['overlap']}  load wait {res.load_wait_s:.3f} s",
+        f"bladed: mode {info['mode']}  backend {info['backend']}  kv format {info['kv_format']}  "
+        f"full-precision tail {info.get('kv_full_precision_tail', 0)}  "
+        f"kv tiers {info['tiers']}  overlap {info['overlap']}  load wait {res.load_wait_s:.3f} s",
     ]
     for path, s in res.stats.items():
         lines.append(f"bladed path {path}: " + "  ".join(f"{k} {v}" for k, v in s.items()))
@@ -467,7 +489,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     pol = Policy(gpu_batch_size=gbs, num_gpu_batches=nb, w_gpu_percent=a.percent[0], w_cpu_percent=a.percent[1],
                  cache_gpu_percent=a.percent[2], cache_cpu_percent=a.percent[3], act_gpu_percent=a.percent[4],
                  act_cpu_percent=a.percent[5], overlap=a.overlap, pipeline=a.pipeline,
-                 copy_threads=a.copy_threads)
+                 copy_threads=a.copy_threads, kv_format=a.kv_format or "", kv_tail=a.kv_tail)
     with contextlib.ExitStack() as stack:
         factory: Any
         bladed_factory: _KVFactory | None = None
@@ -505,6 +527,11 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                 raise UsageError(f"{flag}: {cfg.name} has no tokenizer (it takes token ids); give --prompt-len N "
                                  f"for a random N-token prompt, or a model with a tokenizer ({SMOLLM2} or a "
                                  "checkpoint)")
+        if a.kv_format:
+            try:
+                kv_format(a.kv_format).check(cfg.head_dim)
+            except KVFormatError as e:
+                raise UsageError(f"--kv-format {a.kv_format}: {e}") from None
         stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
         eos = cfg.eos_token_id if stop else None
         runner = Runner(lm.model, pol, kv_factory=factory, device=device)
@@ -518,7 +545,8 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                 if a.reuse_prefix:
                     from bladed.client import PrefixKey
 
-                    bladed_factory.key = PrefixKey(lm.identity, dtype_name, ids[0].tolist())
+                    bladed_factory.key = PrefixKey(*prefix_key_fields(lm.identity, dtype, a.kv_format),
+                                                   ids[0].tolist())
             meter = _Meter(progress, batch, prompt_len, a.gen_len,
                            reused=lambda: bladed_factory.prefix_tokens if bladed_factory else 0)
             progress.status(f"prefill: {batch} x {prompt_len} tokens ...")
@@ -539,8 +567,11 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                                                    return_tensors="pt")
             return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
 
+        # the format of the offloaded KV's rows: the one given, else the run dtype's own elements
+        kv_fmt = kv_format(a.kv_format or dtype_name)
         info = {"mode": a.mode, "backend": a.backend, "overlap": a.overlap, "model": cfg.name, "source": lm.source,
-                "device": device, "dtype": dtype_name, "reuse_prefix": a.reuse_prefix}
+                "device": device, "dtype": dtype_name, "kv_format": kv_fmt.name,
+                "kv_full_precision_tail": runner.kv_tail, "reuse_prefix": a.reuse_prefix}
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         if a.chat_messages is not None:
@@ -564,7 +595,8 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     if lm.tokenizer is not None:
         text = [lm.tokenizer.decode(_until(res.tokens[b].tolist(), eos), skip_special_tokens=True)
                 for b in range(res.batch)]
-    cache_b = kv_bytes(cfg, batch, prompt_len + a.gen_len, db)
+    cache_b = kv_bytes(cfg, batch, prompt_len + a.gen_len, db) if not a.kv_format else (
+        2 * cfg.num_layers * (prompt_len + a.gen_len) * kv_fmt.row_bytes(batch * cfg.num_kv_heads, cfg.head_dim))
     hidden_b = batch * prompt_len * cfg.hidden_size * db
     if a.json:
         out = {"info": info, "policy": pol.percent, "prompt_len": prompt_len, "gen_len": res.gen_len,
