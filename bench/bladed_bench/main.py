@@ -115,7 +115,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     plan = SweepPlan(spec=spec, points=pts, reps=a.reps, workdir=a.workdir, fio_size=a.fio_size,
                      pc_probe_size=a.pc_probe_size, drop=not a.no_drop, keep_series=a.keep_series,
                      settle=not a.no_settle, memory_settle=not a.no_memory_settle,
-                     notes={"argv": sys.argv[1:]})
+                     codec_charge=a.codec_charge == "measured", notes={"argv": sys.argv[1:]})
     if os.geteuid() != 0:
         print("warning: not root: no memory cgroups (the limits are not applied) and caches are not dropped",
               file=sys.stderr)
@@ -175,6 +175,9 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="the full sweep (root: cgroups and drop_caches)")
     _workload_args(s)
     s.add_argument("--limits", type=_floats, default=[0.5, 1.0, 1.5, 2.0, 2.5, 3.0], help="GiB, comma-separated")
+    s.add_argument("--codec-charge", choices=("measured", "none"), default="measured",
+                   help="KV formats: charge this CPU's measured quantize/dequantize time to each run, or none "
+                        "(the storage side alone, as where a GPU quantizes)")
     s.add_argument("--configs", type=_configs, default=list(CONFIGS),
                    help="comma-separated; each may name a KV format: dualblade-q8, dualblade-q4, baseline-q8 "
                         "(issue 31; the runs are charged this CPU's measured quantize/dequantize time)")

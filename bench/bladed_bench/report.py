@@ -720,8 +720,10 @@ def format_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
     if not fmts:
         return []
     rounds = by_key(runs, lambda r: (r.get("round"), r["limit_bytes"]))
+    charged = doc["plan"].get("codec_charge", True)
     L = ["## KV formats (issue 31)", "",
-         "Codec rates charged (this CPU, GB/s of decoded input): " + ", ".join(
+         ("Codec rates charged" if charged else "No codec time charged (the storage side alone); rates measured")
+         + " (this CPU, GB/s of decoded input): " + ", ".join(
              f"{f} quantize {c['quantize_gbps']:.2f} / dequantize {c['dequantize_gbps']:.2f}"
              for f, c in sorted(doc.get("codec", {}).items()) if c.get("quantize_gbps")), ""]
     head = ["limit (GiB)"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -16,7 +17,8 @@ from click.testing import CliRunner
 from nvmevm import GENERIC_NODES, NG_PATH, VMConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from daemon_util import ClientProcess, DaemonProcess, short_tmpdir
+import seccomp_util
+from daemon_util import ROOT, ClientProcess, DaemonProcess, env_with_repo, short_tmpdir
 
 from bladed.cli.bladectl import cli
 from bladed.io import Engine, StagingBuffer
@@ -70,6 +72,24 @@ def test_daemon_on_the_namespace_with_a_client_in_the_vm(vm_config: VMConfig) ->
             assert buf.view().tobytes() == bytes(nbytes)
     finally:
         dev.close()
+
+
+def test_a_daemon_allowed_neither_io_uring_nor_the_nvme_ioctls_refuses_to_start(vm_config: VMConfig) -> None:
+    """Under a filter denying io_uring (auto: the portable engine) and the NVMe I/O passthrough ioctls, the nvme
+    backend cannot move a byte: start-up says so in one line, exit status 2, never a daemon whose sessions fail."""
+    with short_tmpdir() as tmp:
+        config = os.path.join(tmp, "bladed.toml")
+        with open(config, "w") as f:
+            f.write(f'[device]\nbackend = "nvme"\npath = "{NG_PATH}"\nlba_size = {vm_config.lba_size}\n'
+                    f"region_blocks = {(64 << 20) // vm_config.lba_size}\n")
+        r = subprocess.run(seccomp_util.command([sys.executable, "-m", "bladed.server", "--config", config,
+                                                 "--state-dir", tmp], deny_nvme_ioctls=True),
+                           capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env_with_repo())
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"device.path: {NG_PATH}: NVMe passthrough by the NVMe passthrough ioctl" in lines[0], lines[0]
+    assert "EPERM" in lines[0] and "allow io_uring or the NVMe ioctls" in lines[0], lines[0]
 
 
 # bladectl's storage commands (bladed/cli/storage.py, target_backend) take a block node /dev/nvmeXnY for the block

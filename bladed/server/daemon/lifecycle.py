@@ -3,13 +3,14 @@ crashed instance left, and scrubbing freed blocks so no session reads another's 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
 from typing import Any
 
 from bladed.config import Config, ConfigError, validate_device
-from bladed.io import ExtentDevice, open_device
+from bladed.io import Engine, ExtentDevice, StagingBuffer, open_device
 from bladed.io.engines import EngineSettingError
 from bladed.residency.extents import ExtentAllocator
 from bladed.server.daemon.systemd import sd_notify
@@ -18,6 +19,7 @@ from bladed.server.metrics import Stats
 from bladed.server.storage.journal import QUARANTINED, READY, Journal, RetainedRecord, SessionRecord
 from bladed.server.storage.pagecache_store import sweep_pagecache
 from bladed.server.storage.release import scrub
+from bladed.sizes import PAGE_SIZE
 
 log = logging.getLogger("bladed")
 
@@ -51,10 +53,34 @@ def open_store_device(cfg: Config) -> ExtentDevice:
     except (OSError, ValueError) as e:
         raise ConfigError([f"device.path: cannot use {path} as a {d.backend} device: {e}"], cfg.source) from None
     problems = validate_device(cfg, lba_size=dev.lba_size, capacity_blocks=dev.capacity_blocks, path=path)
+    if d.backend == "nvme" and not problems:
+        refused = passthrough_refused(dev)
+        problems = [refused] if refused else []
     if problems:
         dev.close()
         raise ConfigError(problems, cfg.source)
     return dev
+
+
+#: what a denied passthrough command fails with: seccomp (EPERM), an LSM (EACCES), no such ioctl or opcode
+_REFUSALS = (errno.EPERM, errno.EACCES, errno.ENOTTY, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def passthrough_refused(dev: ExtentDevice) -> str | None:
+    """Why the nvme backend cannot move data on ``dev`` with its engine, or None: one read of LBA 0 by NVMe
+    passthrough (io_uring_cmd, or the portable engine's ioctl) at start, so that a process allowed neither is a
+    one-line start-up error rather than a daemon whose first session fails."""
+    with StagingBuffer(max(dev.lba_size, PAGE_SIZE)) as buf, Engine(dev, 1) as eng:
+        try:
+            eng.read(0, buf, nbytes=dev.lba_size)
+        except OSError as e:
+            if e.errno not in _REFUSALS:
+                return None        # a media error and the like: the device's problem, not this process's
+            how = "io_uring_cmd" if dev.engine == "uring" else "the NVMe passthrough ioctl (NVME_IOCTL_IO64_CMD)"
+            return (f"device.path: {dev.path}: NVMe passthrough by {how} is refused here "
+                    f"({errno.errorcode.get(e.errno or 0, e.errno)}: {os.strerror(e.errno or 0)}); allow io_uring "
+                    "or the NVMe ioctls for bladed (docs/operations.md, 'In a container'), or use the block backend")
+    return None
 
 
 def reclaim(cfg: Config, dev: ExtentDevice, allocator: ExtentAllocator, journal: Journal,
