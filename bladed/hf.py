@@ -364,10 +364,9 @@ class BladedCache(Cache):
         last prompt token is always computed, for its logits), so ``generate`` with the same prompt
         prefills only the rest. :meth:`retain` keeps a request's K/V for the next one.
         """
-        from bladed.client import Client, PrefixKey  # floor 2: only the client library
+        from bladed.client import PrefixKey  # floor 2: only the client library
 
         geo = geometry_for(config, batch_size, max_tokens, dtype, kv_format)
-        full_precision_tail(geo.kv_format, kv_tail)   # a negative kv_tail before a session is opened
         model = model_id or getattr(config, "name_or_path", "") or None
         key, tokens = None, []
         if prompt_ids is not None:
@@ -381,30 +380,14 @@ class BladedCache(Cache):
                 raise ValueError("prefix reuse needs the model's identity and config.name_or_path is empty; pass "
                                  "model_id= (a name that tells the model's weights apart)")
             key = PrefixKey(*prefix_key_fields(model, dtype, geo.kv_format), tokens)
-        own = None
-        if client is None:
-            client = own = Client(socket_path=socket_path)
-        try:
-            sess = client.open_session(geo, mode=mode, channels=channels, slot_bytes=geo.kpu_bytes, prefix=key)
-        except BaseException:
-            if own is not None:
-                own.close()
-            raise
-        try:
-            # refuses a session whose rows are not geo's
-            backend = BladedKV(sess, geo, owns_client=own, kv_tail=kv_tail)
-        except BaseException:
-            try:
-                sess.close()
-            finally:
-                if own is not None:
-                    own.close()
-            raise
+        # refuses (and closes) a session whose rows are not geo's
+        backend = BladedKV.open(geo, mode=mode, channels=channels, socket_path=socket_path, client=client,
+                                prefix=key, kv_tail=kv_tail)
         # a whole-prompt match still recomputes the last token: generate needs its logits to sample from
-        cached = min(sess.prefix_tokens, len(tokens) - 1) if key is not None else 0
+        cached = min(backend.prefix_tokens, len(tokens) - 1) if key is not None else 0
         cache = cls(backend, dtype=dtype, copy_threads=channels, cached_tokens=cached, model_id=model,
                     prompt_tokens=len(tokens) if key is not None else None, kv_tail=kv_tail, **kw)
-        cache.prefix_entry = sess.prefix_entry
+        cache.prefix_entry = backend.session.prefix_entry
         return cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
