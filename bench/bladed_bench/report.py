@@ -732,6 +732,7 @@ def format_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
         cols += [(f"dualblade-{f}", "dualblade", "decode_s"), (f"dualblade-{f}", f"baseline-{f}", "decode_s"),
                  (f"dualblade-{f}", "dualblade", "prefill_s")]
     head += [f"{'prefill' if fld == 'prefill_s' else 'decode'} {a} / {b}" for a, b, fld in cols]
+    head += [f"decode dualblade-{f} / T_ideal of its bytes" for f in fmts]
     rows = []
     for lim in lims:
         row = [gib(lim)]
@@ -742,6 +743,9 @@ def format_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
                 if rl == lim and a in by and b in by and get(by[a], fld) and get(by[b], fld):
                     ratios.append(get(by[a], fld) / get(by[b], fld))
             row.append(fmt(summarize(ratios), 3))
+        for f in fmts:   # against the two-tier ideal of the bytes it stored (target <= 1.15)
+            row.append(fmt(summarize(ideal_ratio(doc, r) for r in runs
+                                     if run_name(r) == f"dualblade-{f}" and r["limit_bytes"] == lim), 3))
         rows.append(row)
     return [*L, _table(head, rows), ""]
 
