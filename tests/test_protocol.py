@@ -54,7 +54,7 @@ from bladed.residency.planner import plan_session
 from bladed.server.events import Peer
 from bladed.server.metrics import Stats
 from bladed.server.sessions.rules import MAX_LAYERS
-from bladed.server.sessions.session import Session
+from bladed.server.sessions.session import ServedSession
 from bladed.server.wire.connection import Connection
 
 GEOMETRY = {"layers": 2, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 8}
@@ -445,7 +445,8 @@ def test_the_worst_case_open_session_reply_fits_a_frame() -> None:
                              file_bytes=INT_MAX, kernel_bytes=INT_MAX, host_total_bytes=INT_MAX, limited=False,
                              memory_limit_source="/" * 4096, binding="b" * 4096, reason="r" * 4096)
     budget = sample.to_dict() | {"granted_bytes": INT_MAX, "held_by_others_bytes": INT_MAX, "error": "e" * 8192}
-    out = Session("ffffffff", Peer(pid=INT_MAX, uid=INT_MAX, gid=INT_MAX), geo, plan, budget, Stats()).open_reply()
+    peer = Peer(pid=INT_MAX, uid=INT_MAX, gid=INT_MAX)
+    out = ServedSession("ffffffff", peer, geo, plan, budget, Stats()).open_reply()
     # the layout of an unbound session has no channels: give it the most (io.max_channels <= 64)
     out["layout"].update(channels=64, registered=[False] * 64, slot_bytes=INT_MAX, slot_stride=INT_MAX,
                          staging_bytes=INT_MAX, extent={"start": INT_MAX, "nblocks": INT_MAX})

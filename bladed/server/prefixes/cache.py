@@ -25,8 +25,8 @@ from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
 from bladed.server.prefixes.copy import copy_channel, copy_in, copy_out, write_blocks
 from bladed.server.prefixes.entry import (
-    Entry,
     Lookup,
+    RetainedPrefix,
     SessionKV,
     crc_path,
     fsync_file,
@@ -70,7 +70,7 @@ class PrefixCache:
     def scope_of(self, peer: Peer) -> str:
         return f"gid:{peer.gid}" if self.cfg.prefix.scope == "group" else f"uid:{peer.uid}"
 
-    def visible(self, entry: Entry, peer: Peer, admin: bool) -> bool:
+    def visible(self, entry: RetainedPrefix, peer: Peer, admin: bool) -> bool:
         return admin or entry.rec.scope == self.scope_of(peer)
 
     @property
@@ -155,7 +155,7 @@ class PrefixCache:
         event("prefix_hit", session=sess.id, entry="shared", tokens=n, of=found.ntokens, source="shared")
         return {"tokens": n, "source": "shared"}
 
-    def _copy_out(self, entry: Entry, sess: SessionKV, blocks: int) -> bool:
+    def _copy_out(self, entry: RetainedPrefix, sess: SessionKV, blocks: int) -> bool:
         """Copy ``blocks`` whole blocks of every KPU from ``entry`` into ``sess``, each verified against its crcs
         first; False (and the entry evicted) if one does not verify or cannot be read."""
         ch = self._copy_channel(sess.geometry)
@@ -225,7 +225,7 @@ class PrefixCache:
         return {"entry": entry.id, "tokens": entry.tokens, "new": True}
 
     def _make(self, scope: str, model: str, dtype: str, seed_hex: str, geometry: Geometry, chain: list[str],
-              sid: str) -> Entry:
+              sid: str) -> RetainedPrefix:
         """Plan and bind a new entry's storage, making room by eviction; journaled as ``writing``."""
         pr = self.cfg.prefix
         lba = self.device.lba_size
@@ -256,7 +256,7 @@ class PrefixCache:
                              geometry=geometry.fields(), block_tokens=self.block_tokens, hashes=chain, grant=g,
                              extents=[(extent.start, extent.nblocks)] if extent else [],
                              pagecache_dir=pagecache.directory)
-        entry = Entry(rec, plan, pagecache, ExtentKPUStore(plan, extent, 1),
+        entry = RetainedPrefix(rec, plan, pagecache, ExtentKPUStore(plan, extent, 1),
                       np.zeros((2 * geometry.layers, len(chain)), dtype=np.uint32))
         # journaled before anything is written: a crash from here on reclaims it
         self.journal.add_retained(rec)
@@ -273,7 +273,7 @@ class PrefixCache:
                 if not self.index.evict_lru("region_full", lambda en: en.device_bytes > 0):
                     raise RequestError(ErrorCode.NO_SPACE, f"no room to retain the prefix: {e}") from None
 
-    def _copy_in(self, entry: Entry, sess: SessionKV, blocks_out: list[bytearray] | None = None) -> None:
+    def _copy_in(self, entry: RetainedPrefix, sess: SessionKV, blocks_out: list[bytearray] | None = None) -> None:
         """Copy the session's first ``entry.tokens`` tokens of every KPU into the entry with their crcs, then
         make it durable and journal it ``ready``."""
         ch = self._copy_channel(sess.geometry)
@@ -304,7 +304,7 @@ class PrefixCache:
         """``evict_prefixes``: one entry by id, or all the peer may see; the ids evicted."""
         return self.index.evict_matching(lambda e: self.visible(e, peer, admin), entry_id)
 
-    def _drop(self, entry: Entry, reason: str) -> None:
+    def _drop(self, entry: RetainedPrefix, reason: str) -> None:
         """Scrub and free an entry's storage and forget it in the journal."""
         ext = entry.extent_store.close()
         entry.pagecache.close()
@@ -364,11 +364,11 @@ class PrefixCache:
         self.stats.count("prefix_evictions", "unverified")
         self._forget(rec, extents)
 
-    def _rebuild(self, rec: RetainedRecord) -> Entry:
+    def _rebuild(self, rec: RetainedRecord) -> RetainedPrefix:
         return rebuild(rec, self.cfg.pagecache_dir, crc_path(self.cfg.state_dir, rec.id), self.device.lba_size,
                        self.allocator)
 
-    def _verify(self, entry: Entry) -> None:
+    def _verify(self, entry: RetainedPrefix) -> None:
         geometry = Geometry.from_dict(entry.rec.geometry)
         ch = self._copy_channel(geometry)
         try:

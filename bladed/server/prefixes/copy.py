@@ -11,7 +11,7 @@ import numpy as np
 from bladed.io import Engine, ExtentDevice, StagingBuffer
 from bladed.protocol import IOOp, IORange, RequestError
 from bladed.residency.geometry import Geometry
-from bladed.server.prefixes.entry import Entry, SessionKV, block_crcs
+from bladed.server.prefixes.entry import RetainedPrefix, SessionKV, block_crcs
 from bladed.server.storage import Access
 from bladed.server.storage.channel import Channel
 from bladed.sizes import PAGE_SIZE, align_up
@@ -48,7 +48,7 @@ def write_blocks(sess: SessionKV, blocks: list[bytes], block_tokens: int, ch: Ch
     return n
 
 
-def copy_out(entry: Entry, sess: SessionKV, blocks: int, ch: Channel) -> str | None:
+def copy_out(entry: RetainedPrefix, sess: SessionKV, blocks: int, ch: Channel) -> str | None:
     """Copy ``blocks`` whole blocks of every KPU from ``entry`` into ``sess``, each verified against its crcs
     first; None, or why the entry is bad (``io_error``, ``integrity_error``: it must be evicted)."""
     B = entry.rec.block_tokens
@@ -70,7 +70,7 @@ def copy_out(entry: Entry, sess: SessionKV, blocks: int, ch: Channel) -> str | N
     return None
 
 
-def copy_in(entry: Entry, sess: SessionKV, ch: Channel, blocks_out: list[bytearray] | None = None) -> None:
+def copy_in(entry: RetainedPrefix, sess: SessionKV, ch: Channel, blocks_out: list[bytearray] | None = None) -> None:
     """Copy the session's first ``entry.tokens`` tokens of every KPU into the entry, recording the crcs (and
     gathering each block's rows of every KPU into ``blocks_out`` for the shared tier)."""
     B = entry.rec.block_tokens

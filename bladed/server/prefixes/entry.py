@@ -23,7 +23,7 @@ from bladed.server.storage.journal import RetainedRecord
 
 
 class SessionKV(Protocol):
-    """What the prefix cache uses of a session (``sessions.session.Session``)."""
+    """What the prefix cache uses of a session (``sessions.session.ServedSession``)."""
 
     id: str
     geometry: Geometry
@@ -34,7 +34,7 @@ class SessionKV(Protocol):
     def filled_tokens(self) -> int: ...
 
 
-class Entry:
+class RetainedPrefix:
     """One retained prefix: its key, its own storage (page-cache files and/or an extent) and its checksums."""
 
     def __init__(self, rec: RetainedRecord, plan: Plan, pagecache: PageCacheKPUStore, extent_store: ExtentKPUStore,
@@ -92,7 +92,7 @@ class Lookup:
     model: str
     dtype: str
     ntokens: int
-    entry: Entry | None
+    entry: RetainedPrefix | None
     blocks: int
     #: the verified blocks the shared tier gave (used instead of ``entry`` when it reaches further)
     remote: list[bytes] = field(default_factory=list)
@@ -115,4 +115,4 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-__all__ = ["Entry", "Lookup", "SessionKV", "block_crcs", "crc_path", "fsync_file"]
+__all__ = ["Lookup", "RetainedPrefix", "SessionKV", "block_crcs", "crc_path", "fsync_file"]

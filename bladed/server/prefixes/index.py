@@ -10,16 +10,16 @@ from collections.abc import Callable
 from bladed.protocol import ErrorCode, RequestError
 from bladed.server.events import event
 from bladed.server.metrics import Stats
-from bladed.server.prefixes.entry import Entry
+from bladed.server.prefixes.entry import RetainedPrefix
 
 
 class PrefixIndex:
     """Entries by id, under one lock; ``drop(entry, reason)`` scrubs an evicted entry's storage."""
 
-    def __init__(self, stats: Stats, drop: Callable[[Entry, str], None]) -> None:
+    def __init__(self, stats: Stats, drop: Callable[[RetainedPrefix, str], None]) -> None:
         self.stats = stats
         self._drop = drop
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, RetainedPrefix] = {}
         self.lock = threading.Lock()
 
     # -- figures ------------------------------------------------------------------------------
@@ -39,25 +39,26 @@ class PrefixIndex:
                     "pagecache_bytes": sum(e.pagecache_bytes for e in self.entries.values()),
                     "device_bytes": sum(e.device_bytes for e in self.entries.values())}
 
-    def matching(self, keep: Callable[[Entry], bool]) -> list[Entry]:
+    def matching(self, keep: Callable[[RetainedPrefix], bool]) -> list[RetainedPrefix]:
         with self.lock:
             return [e for e in self.entries.values() if keep(e)]
 
-    def add(self, entry: Entry) -> None:
+    def add(self, entry: RetainedPrefix) -> None:
         with self.lock:
             self.entries[entry.id] = entry
 
-    def take_all(self) -> list[Entry]:
+    def take_all(self) -> list[RetainedPrefix]:
         """Every entry, the index left empty (a clean stop)."""
         with self.lock:
             entries, self.entries = list(self.entries.values()), {}
         return entries
 
     # -- matching and use ------------------------------------------------------------------------
-    def acquire(self, scope: str, seed_hex: str, block_tokens: int, chain: list[str]) -> tuple[Entry | None, int]:
+    def acquire(self, scope: str, seed_hex: str, block_tokens: int,
+                chain: list[str]) -> tuple[RetainedPrefix | None, int]:
         """The entry of ``scope`` sharing the most leading blocks with ``chain`` (held against eviction until
         :meth:`release`), and how many blocks it shares."""
-        best: Entry | None = None
+        best: RetainedPrefix | None = None
         best_n = 0
         with self.lock:
             for e in self.entries.values():
@@ -75,7 +76,7 @@ class PrefixIndex:
                 best.last_used = time.time()
         return best, best_n
 
-    def release(self, entry: Entry) -> None:
+    def release(self, entry: RetainedPrefix) -> None:
         """A copy out of ``entry`` is done (a condemned entry is dropped by its last user)."""
         with self.lock:
             entry.users -= 1
@@ -84,7 +85,7 @@ class PrefixIndex:
             self._drop(entry, "condemned")
 
     # -- eviction ---------------------------------------------------------------------------------
-    def evict(self, entry: Entry, reason: str) -> bool:
+    def evict(self, entry: RetainedPrefix, reason: str) -> bool:
         """Remove an entry and scrub its storage; False if it is gone or in use."""
         with self.lock:
             if self.entries.get(entry.id) is not entry or entry.users:
@@ -95,7 +96,7 @@ class PrefixIndex:
         event("prefix_evict", entry=entry.id, reason=reason, tokens=entry.tokens, hits=entry.hits)
         return True
 
-    def evict_lru(self, reason: str, which: Callable[[Entry], bool] = lambda e: True) -> bool:
+    def evict_lru(self, reason: str, which: Callable[[RetainedPrefix], bool] = lambda e: True) -> bool:
         """Evict the least recently used entry not in use that ``which`` accepts; False if there is none."""
         with self.lock:
             idle = [e for e in self.entries.values() if e.users == 0 and which(e)]
@@ -109,7 +110,7 @@ class PrefixIndex:
         while not done() and self.evict_lru(reason):
             pass
 
-    def condemn(self, entry: Entry, reason: str) -> None:
+    def condemn(self, entry: RetainedPrefix, reason: str) -> None:
         """An entry found bad while a copy holds it: out of the index now, dropped by its last user."""
         with self.lock:
             if self.entries.get(entry.id) is entry:
@@ -118,7 +119,7 @@ class PrefixIndex:
         self.stats.count("prefix_evictions", reason)
         event("prefix_evict", entry=entry.id, reason=reason, tokens=entry.tokens, hits=entry.hits)
 
-    def evict_matching(self, visible: Callable[[Entry], bool], entry_id: str | None) -> list[str]:
+    def evict_matching(self, visible: Callable[[RetainedPrefix], bool], entry_id: str | None) -> list[str]:
         """``evict_prefixes``: one entry by id, or all that are ``visible``; the ids evicted."""
         targets = self.matching(lambda e: visible(e) and (entry_id is None or e.id == entry_id))
         if entry_id is not None and not targets:

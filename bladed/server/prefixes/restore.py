@@ -11,7 +11,7 @@ from bladed.protocol import IOOp
 from bladed.residency.extents import ExtentAllocator
 from bladed.residency.geometry import Geometry
 from bladed.residency.planner import Mode, plan_session
-from bladed.server.prefixes.entry import Entry, block_crcs
+from bladed.server.prefixes.entry import RetainedPrefix, block_crcs
 from bladed.server.storage import Access, ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
 from bladed.server.storage.journal import RetainedRecord
@@ -19,7 +19,7 @@ from bladed.server.storage.pagecache_store import RETAINED_DIR_PREFIX
 
 
 def rebuild(rec: RetainedRecord, pagecache_dir: str, crc_file: str, lba_size: int,
-            allocator: ExtentAllocator) -> Entry:
+            allocator: ExtentAllocator) -> RetainedPrefix:
     """The entry of a journal record (ValueError where the record, its crcs or its storage disagree)."""
     geometry = Geometry.from_dict(rec.geometry)
     plan = plan_session(geometry, Mode.DUALBLADE, rec.grant, lba_size)
@@ -42,12 +42,12 @@ def rebuild(rec: RetainedRecord, pagecache_dir: str, crc_file: str, lba_size: in
     store = ExtentKPUStore(plan, ext, 1)
     store.prepare()
     store.assume_written(geometry.max_tokens * geometry.token_bytes)
-    entry = Entry(rec, plan, pagecache, store, crcs.reshape(2 * geometry.layers, blocks))
+    entry = RetainedPrefix(rec, plan, pagecache, store, crcs.reshape(2 * geometry.layers, blocks))
     entry.last_used = rec.created
     return entry
 
 
-def verify(entry: Entry, ch: Channel) -> None:
+def verify(entry: RetainedPrefix, ch: Channel) -> None:
     """Read every KPU of the entry back and compare each block's crc (ValueError naming the first bad one)."""
     geometry = Geometry.from_dict(entry.rec.geometry)
     B, n, tb = entry.rec.block_tokens, entry.tokens, geometry.token_bytes

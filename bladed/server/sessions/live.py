@@ -22,7 +22,7 @@ from bladed.server.storage.integrity import Checksums
 
 
 class LiveSession(Protocol):
-    """What the demotion state reads of its session (``sessions.session.Session``)."""
+    """What the demotion state reads of its session (``sessions.session.ServedSession``)."""
 
     geometry: Geometry
     plan: Plan
@@ -41,7 +41,7 @@ def with_kpu(plan: Plan, kpu: KPU, target: Plan) -> Plan:
                    group1_limit_bytes=target.group1_limit_bytes, budget_bytes=target.budget_bytes)
 
 
-class LiveState:
+class DemotionState:
     """Per-session demotion state: pending KPUs, requests in flight per KPU, counters."""
 
     def __init__(self, sess: LiveSession) -> None:
@@ -238,4 +238,4 @@ class LiveState:
             self._cond.notify_all()
 
 
-__all__ = ["LiveSession", "LiveState", "with_kpu"]
+__all__ = ["DemotionState", "LiveSession", "with_kpu"]

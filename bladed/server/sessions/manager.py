@@ -32,7 +32,7 @@ from bladed.server.prefixes.cache import PrefixCache
 from bladed.server.sessions.budget_reading import OPEN_MAX_AGE_S, BudgetSampler
 from bladed.server.sessions.replan import LiveReplanner
 from bladed.server.sessions.rules import open_geometry, open_staging
-from bladed.server.sessions.session import Session
+from bladed.server.sessions.session import ServedSession
 from bladed.server.sessions.staging import check_staging_fits, prepare_memfd
 from bladed.server.storage import ChannelIO, ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
@@ -60,7 +60,7 @@ class SessionManager:
         self.prefixes = PrefixCache(cfg, device, allocator, journal, stats)
         self.prefixes.pagecache_room = self._pagecache_room
         self._lock = threading.Lock()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, ServedSession] = {}
 
     @property
     def staging_align(self) -> int:
@@ -80,7 +80,7 @@ class SessionManager:
             return 0
         return max(0, self.ledger.available(b_pc) - self.prefixes.pagecache_bytes)
 
-    def live_sessions(self) -> list[Session]:
+    def live_sessions(self) -> list[ServedSession]:
         with self._lock:
             return list(self.sessions.values())
 
@@ -88,7 +88,7 @@ class SessionManager:
         return sum(s.storage_bytes for s in self.live_sessions() if s.peer.uid == uid)
 
     # -- open --------------------------------------------------------------------------
-    def open(self, peer: Peer, body: dict[str, Any], fds: list[int]) -> Session:
+    def open(self, peer: Peer, body: dict[str, Any], fds: list[int]) -> ServedSession:
         """Plan, bind and start a session from an ``open_session`` request (takes ownership of ``fds``)."""
         try:
             if len(fds) != 1:
@@ -101,7 +101,7 @@ class SessionManager:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _open(self, peer: Peer, body: dict[str, Any], fd: int) -> Session:
+    def _open(self, peer: Peer, body: dict[str, Any], fd: int) -> ServedSession:
         cfg = self.cfg
         geometry, mode = open_geometry(body)
         # the prefix first: the entry it finds is held (not evicted) until it is copied into the session
@@ -136,7 +136,7 @@ class SessionManager:
             with self._lock:
                 while sid in self.sessions:
                     sid = secrets.token_hex(4)
-            sess = Session(sid, peer, geometry, plan, budget, self.stats)
+            sess = ServedSession(sid, peer, geometry, plan, budget, self.stats)
             if get_field(body, "checksums", bool, default=cfg.io.checksums):
                 sess.checksums = Checksums(geometry)
             sess.live.carry_out = functools.partial(self._carry_out, sess)
@@ -172,7 +172,7 @@ class SessionManager:
             if found is not None:
                 self.prefixes.cancel(found)
 
-    def _bind(self, sess: Session, fd: int, channels: int, staging_bytes: int, slot_bytes: int,
+    def _bind(self, sess: ServedSession, fd: int, channels: int, staging_bytes: int, slot_bytes: int,
               stride: int) -> None:
         """Bind (§IV-A): extent + stores, staging mapping, one ring per channel."""
         plan = sess.plan
@@ -220,11 +220,11 @@ class SessionManager:
             # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
             extent_store.prepare()
 
-    def _carry_out(self, sess: Session, kpu: KPU, ch: Channel) -> None:
-        """One of ``sess``'s pending demotions, holding ``ch`` (``LiveState.begin``)."""
+    def _carry_out(self, sess: ServedSession, kpu: KPU, ch: Channel) -> None:
+        """One of ``sess``'s pending demotions, holding ``ch`` (``DemotionState.begin``)."""
         self.replanner.carry_out(sess, kpu, ch, lambda need: self.extent_with_room(sess, need, ch))
 
-    def journal_session(self, sess: Session, also: Sequence[Extent] = ()) -> None:
+    def journal_session(self, sess: ServedSession, also: Sequence[Extent] = ()) -> None:
         """Record what the session holds (again after its extent grew or moved; ``also`` the run it moves to
         meanwhile), so crash recovery reclaims all of it."""
         held = [e for e in (sess.extent, *also) if e is not None]
@@ -232,7 +232,7 @@ class SessionManager:
                                        extents=[(e.start, e.nblocks) for e in held],
                                        pagecache_dir=sess.pagecache.directory if sess.pagecache else ""))
 
-    def extent_with_room(self, sess: Session, need: int, ch: ChannelIO) -> Extent:
+    def extent_with_room(self, sess: ServedSession, need: int, ch: ChannelIO) -> Extent:
         """The session's extent with room for ``need`` more blocks after its last bound KPU (a live
         demotion, on channel ``ch``): allocate the session's extent, grow it in place, or move it.
 
@@ -279,7 +279,7 @@ class SessionManager:
             if not self.prefixes.make_room_device():
                 raise err
 
-    def _move_extent(self, sess: Session, store: ExtentKPUStore, old: Extent, new: Extent, ch: ChannelIO) -> None:
+    def _move_extent(self, sess: ServedSession, store: ExtentKPUStore, old: Extent, new: Extent, ch: ChannelIO) -> None:
         """Move the session's KPUs from ``old`` to ``new`` (which holds them and more), then scrub and free
         ``old``.  The journal holds both runs meanwhile, so a crash mid-move reclaims both."""
         self.journal_session(sess, also=(new,))
@@ -297,7 +297,7 @@ class SessionManager:
         event("extent_moved", session=sess.id, old=f"{old.start}+{old.nblocks}", new=f"{new.start}+{new.nblocks}",
               bytes=moved, kpus=len(store.served()))
 
-    def _scrub_and_free(self, sess: Session, ext: Extent) -> tuple[int, int, bool]:
+    def _scrub_and_free(self, sess: ServedSession, ext: Extent) -> tuple[int, int, bool]:
         """Paper §IV-B: deallocate a run a session wrote to, plus Write Zeroes where a deallocated block may
         still read back old data, then give it back to the allocator -- unless it could be neither: then it
         stays out of use (quarantined, journalled) until a restart scrubs it.  (trimmed, zeroed, freed)."""
@@ -310,11 +310,11 @@ class SessionManager:
         return trimmed, zeroed, safe
 
     # -- teardown ------------------------------------------------------------------------
-    def get(self, sid: str) -> Session | None:
+    def get(self, sid: str) -> ServedSession | None:
         with self._lock:
             return self.sessions.get(sid)
 
-    def close(self, sess: Session, reason: str) -> None:
+    def close(self, sess: ServedSession, reason: str) -> None:
         """Stop the session's data connections, wait for the requests in flight, TRIM its extent, remove its files."""
         with self._lock:
             if self.sessions.pop(sess.id, None) is None:
@@ -338,7 +338,7 @@ class SessionManager:
               ops=sum(c.ops for c in sess.channels), trimmed_bytes=trimmed, zeroed_bytes=sess.zeroed_bytes,
               files_removed=sess.files_removed, lived_s=f"{time.time() - sess.opened:.1f}")
 
-    def _release(self, sess: Session, *, trim: bool) -> int:
+    def _release(self, sess: ServedSession, *, trim: bool) -> int:
         """Give back everything a (possibly half-opened) session holds; returns TRIMmed bytes."""
         trimmed = 0
         ext = sess.extent_store.close() if sess.extent_store is not None else None
@@ -361,7 +361,7 @@ class SessionManager:
         self.journal.remove(sess.id)
         return trimmed
 
-    def retain(self, sess: Session, body: dict[str, Any]) -> dict[str, Any]:
+    def retain(self, sess: ServedSession, body: dict[str, Any]) -> dict[str, Any]:
         """``retain``: keep the KV of the session's first whole token blocks as a retained prefix.
 
         Every channel is held meanwhile, so the copy reads what the session's requests finished writing.

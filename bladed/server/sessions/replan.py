@@ -42,7 +42,7 @@ from bladed.residency.geometry import Geometry
 from bladed.residency.planner import KPU, BudgetLedger, Mode, Plan
 from bladed.server.events import event
 from bladed.server.sessions.budget_reading import BudgetSampler
-from bladed.server.sessions.live import LiveState, with_kpu
+from bladed.server.sessions.live import DemotionState, with_kpu
 from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
 
@@ -50,12 +50,12 @@ log = logging.getLogger("bladed.replan")
 
 
 class ReplanSession(Protocol):
-    """What the re-planner uses of a session (``sessions.session.Session``)."""
+    """What the re-planner uses of a session (``sessions.session.ServedSession``)."""
 
     id: str
     plan: Plan
     geometry: Geometry
-    live: LiveState
+    live: DemotionState
     closing: bool
     channels: list[Channel]
 
@@ -202,4 +202,4 @@ class LiveReplanner:
                       "sources": sampler["sources"]}
 
 
-__all__ = ["LiveReplanner", "LiveState"]
+__all__ = ["DemotionState", "LiveReplanner"]

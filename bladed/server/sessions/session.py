@@ -1,7 +1,7 @@
 """One open session: its plan, its two stores, its staging mapping and channels, and running its requests.
 
 A session belongs to the connection that opened it and can only address its own KPUs.  A request is a
-batch of token ranges on one channel: :meth:`Session.execute` checks all of them first (``rules``: a bad
+batch of token ranges on one channel: :meth:`ServedSession.execute` checks all of them first (``rules``: a bad
 one refuses the whole request, nothing done), then hands each store its share, all under the channel's
 lock.  Opening, binding and teardown are the manager's (``sessions.manager``).
 """
@@ -21,14 +21,14 @@ from bladed.residency.geometry import Geometry
 from bladed.residency.planner import Plan
 from bladed.server.events import Peer
 from bladed.server.metrics import Stats
-from bladed.server.sessions.live import LiveState
+from bladed.server.sessions.live import DemotionState
 from bladed.server.sessions.rules import CheckedRange, check_channel, check_ranges, json_range
 from bladed.server.storage import Access, ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
 from bladed.server.storage.integrity import Checksums
 
 
-class Session:
+class ServedSession:
     """One open session: plan, stores, staging mapping and channels."""
 
     def __init__(self, sid: str, peer: Peer, geometry: Geometry, plan: Plan, budget: dict[str, Any],
@@ -57,7 +57,7 @@ class Session:
         self.zeroed_bytes = 0
         #: page-cache files removed at teardown
         self.files_removed = 0
-        self.live = LiveState(self)
+        self.live = DemotionState(self)
         #: (model, dtype) of the prefix key it was opened with (``retain`` reuses them); None = none given
         self.prefix_key: tuple[str, str] | None = None
         #: the ``prefix`` object of the open_session reply (None = not asked)
@@ -181,12 +181,12 @@ class Session:
                 mine = [a for a in accesses if a.kpu.path is store.path]
                 if mine:
                     store.run(ch, mine)
-            written = self._after(ch, accesses)
+            written = self._account_for(ch, accesses)
         finally:
             live.end_all(tids, written)
         return [a.result for a in accesses]
 
-    def _after(self, ch: Channel, accesses: list[Access]) -> list[tuple[int, int]]:
+    def _account_for(self, ch: Channel, accesses: list[Access]) -> list[tuple[int, int]]:
         """Checksums and statistics of the accesses that ran; the fill marks of the writes that succeeded."""
         written: list[tuple[int, int]] = []
         by_path: dict[str, tuple[list[bool], list[ServedRow | None]]] = {}
@@ -214,4 +214,4 @@ class Session:
         return written
 
 
-__all__ = ["Session"]
+__all__ = ["ServedSession"]

@@ -328,7 +328,7 @@ class ExtentKPUStore(KPUStore):
         map there (:meth:`ExtentMap.relocate`); returns the bytes copied.
 
         For a demotion whose room cannot grow in place: :meth:`adopt`'s ``extent_with_room`` calls this, so no
-        other move runs; the caller holds every served KPU idle (``LiveState.holding``).  ``filled(t)`` is how
+        other move runs; the caller holds every served KPU idle (``DemotionState.holding``).  ``filled(t)`` is how
         many bytes of KPU ``t`` either path has written; past them the new run reads zero, as a fresh one does.
         On failure the map stays on its old extent and the new one may hold part of the copy.
         """

@@ -9,7 +9,7 @@ is to happen to the KPU: a demotion is
 scheduled (:meth:`KPUGates.close`) and carried out after the lane's requests
 on it drained (:meth:`KPUGates.drain`), or the session ends or is retained
 (:meth:`KPUGates.seal`, under every channel lock, so no lane request runs).
-Python decides when a gate opens (``LiveState.open_lane_gates``); C only
+Python decides when a gate opens (``DemotionState.open_lane_gates``); C only
 obeys it.
 """
 
@@ -60,7 +60,7 @@ class KPUGates:
             lib.bd_gate_close(ffi.addressof(self.array, i))
 
     def filled(self, tensor_id: int) -> int:
-        """Tokens ``[0, n)`` the lane wrote in the KPU (the general path's marks are ``LiveState.filled``)."""
+        """Tokens ``[0, n)`` the lane wrote in the KPU (the general path's marks are ``DemotionState.filled``)."""
         return int(self.array[tensor_id].filled)
 
 

@@ -2,7 +2,7 @@
 ``attach``, a data connection serving one channel of a session with binary batched I/O frames.
 
 A data connection runs each request right where it arrives: decode, run the
-ranges on the channel (``Session.execute``), send the reply.  No queue and no
+ranges on the channel (``ServedSession.execute``), send the reply.  No queue and no
 other thread sits between the client's copy thread and the device.
 """
 
@@ -43,7 +43,7 @@ from bladed.protocol import (
     send_frame,
 )
 from bladed.server.events import Peer
-from bladed.server.sessions.session import Session
+from bladed.server.sessions.session import ServedSession
 from bladed.server.wire.lane import Lane
 from bladed.server.wire.services import Services
 
@@ -84,11 +84,11 @@ class Connection:
         self.services = services
         self.sock = sock
         self.peer = peer
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, ServedSession] = {}
         self._send_lock = threading.Lock()
         self._dead = False
         self.greeted = False
-        self.attached: tuple[Session, int] | None = None
+        self.attached: tuple[ServedSession, int] | None = None
         #: requests served and refused on this connection (reported when it closes, at DEBUG)
         self.requests = 0
         self.refused = 0
@@ -257,7 +257,7 @@ class Connection:
                            max_ranges=d.cfg.io.max_outstanding))
         return True
 
-    def _session(self, body: dict[str, Any]) -> Session:
+    def _session(self, body: dict[str, Any]) -> ServedSession:
         sid = get_field(body, "session", str)
         sess = self.sessions.get(sid)
         if sess is None:
@@ -379,7 +379,7 @@ class Connection:
         return {"evicted": evicted}
 
     # -- the data path ------------------------------------------------------------------
-    def _serve_data(self, sess: Session, ch: int) -> str:
+    def _serve_data(self, sess: ServedSession, ch: int) -> str:
         """Serve binary I/O requests for one channel until the peer or the session goes (:meth:`Lane.serve`)."""
         lane = Lane(sess, sess.channel(ch), self.sock, self.services.cfg.io.max_outstanding)
         try:

@@ -28,7 +28,7 @@ yet or that was not used yet on the extent, a direct KPU of packed rows (edge
 LBAs and tails are the extent store's), a direct range whose slot offset is
 not on an LBA, or a closed gate (a pending demotion, a session closing or
 retained, checksums on).  The connection serves it with
-:meth:`Session.execute`, which serves it or refuses it with the exact error,
+:meth:`ServedSession.execute`, which serves it or refuses it with the exact error,
 and then opens the gates that have become openable.  A request the lane ran
 where a range failed also comes back, for its reply with the failure's
 message.
@@ -65,7 +65,7 @@ from bladed.protocol import (
 )
 from bladed.residency.planner import KVPath
 from bladed.server.metrics import LATENCY_BOUNDS_NS
-from bladed.server.sessions.session import Session
+from bladed.server.sessions.session import ServedSession
 from bladed.server.storage.channel import Channel
 from bladed.server.storage.pagecache_store import range_failure
 
@@ -80,7 +80,7 @@ _PATH_NAMES = {lib.BD_PATH_PAGECACHE: KVPath.PAGECACHE.value, lib.BD_PATH_DIRECT
 class Lane:
     """The lane of one data connection, attached to channel ``ch`` of session ``sess``."""
 
-    def __init__(self, sess: Session, ch: Channel, sock: socket.socket, limit: int) -> None:
+    def __init__(self, sess: ServedSession, ch: Channel, sock: socket.socket, limit: int) -> None:
         self.sess = sess
         self.ch = ch
         #: ranges one request may carry (``io.max_outstanding``)
@@ -120,8 +120,8 @@ class Lane:
         self.c = lane
         #: frames in and out: the same C stream the lane reads through
         self.stream = FrameStream(sock, into=ffi.addressof(lane, "stream"))
-        #: the KPUs whose gates may still open (LiveState.open_lane_gates decides, and prunes it); refresh fills
-        #: it with every KPU whenever the demotions done (LiveState.lane_epoch) differ from this
+        #: the KPUs whose gates may still open (DemotionState.open_lane_gates decides, and prunes it); refresh fills
+        #: it with every KPU whenever the demotions done (DemotionState.lane_epoch) differ from this
         self._candidates: set[int] = set()
         self._epoch = -1
         self._served_before = ch.lane_requests
@@ -147,7 +147,7 @@ class Lane:
 
     def serve(self, refuse: Callable[[ErrorCode, str], None], pid: int) -> str:
         """Serve binary I/O requests until the peer or the session goes; returns why it ended.  The lane runs
-        what it can in C; the rest comes back here for :meth:`Session.execute` (counted in
+        what it can in C; the rest comes back here for :meth:`ServedSession.execute` (counted in
         :attr:`general_requests`); ``refuse(code, message)`` counts a request the client got wrong."""
         sess, ch = self.sess, self.ch.index
         send = self.stream.send
