@@ -20,6 +20,14 @@ from bladed.kvstore import MemoryKV
 from bladed.runner.main import spawned_daemon
 
 CFG = CONFIGS["llama-gqa"]                 # 2 KV heads x 16: formats with blocks of 16
+#: logits of this cache against transformers' default cache (two implementations): matmul kernels round
+#: differently by CPU, so tokens compare exactly and logits within this
+LOGIT_TOL = 1e-4
+
+
+def assert_logits_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=LOGIT_TOL, atol=LOGIT_TOL)
 
 
 @pytest.fixture(scope="module")
@@ -54,33 +62,38 @@ def test_generate_over_bladed_equals_memory_kv_of_the_same_format(hf: object, da
         cache.close()
     assert torch.equal(t, mem_t)
     assert all(torch.equal(a, b) for a, b in zip(lg, mem_l, strict=True))
-    assert torch.equal(mem_l[0], ref_l[0])      # the prefill attends to the new K/V, not the stored rows
-    assert max(float((a - b).abs().max()) for a, b in zip(mem_l[1:], ref_l[1:], strict=True)) > 0
+    # against transformers' own cache (another implementation): the prefill attends to the new K/V, not the stored
+    # rows, so its logits are the default cache's up to kernel rounding
+    torch.testing.assert_close(mem_l[0], ref_l[0], rtol=LOGIT_TOL, atol=LOGIT_TOL)
+    assert max(float((a - b).abs().max()) for a, b in zip(mem_l[1:], ref_l[1:], strict=True)) > LOGIT_TOL
 
 
-def test_without_a_format_the_cache_is_the_default_cache_bit_for_bit(hf: object) -> None:
+def test_without_a_format_the_cache_is_the_default_cache(hf: object) -> None:
     ids = prompt(CFG, 1, 6)
     ref_t, ref_l = hf_greedy(hf, ids, 4)
     g = geometry_for(hf.config, 1, 10, torch.float32)  # type: ignore[attr-defined]
     assert g.kv_format == ""
     with BladedCache(MemoryKV(g), dtype=torch.float32, kv_format="") as cache:
         t, lg = hf_greedy(hf, ids, 4, cache=cache)
-    assert torch.equal(t, ref_t) and all(torch.equal(a, b) for a, b in zip(lg, ref_l, strict=True))
+    assert torch.equal(t, ref_t)
+    assert_logits_close(lg, ref_l)
 
 
 def test_q4s_tail_attends_to_the_newest_tokens_as_computed_and_kv_tail_0_turns_it_off(hf: object) -> None:
-    """6 + 4 tokens within q4's 128-token tail: the cache is the default cache bit for bit; off, it is not."""
+    """6 + 4 tokens within q4's 128-token tail: the cache is the default cache (tokens exactly, logits within
+    rounding); off, it is not."""
     ids = prompt(CFG, 1, 6)
     ref_t, ref_l = hf_greedy(hf, ids, 4)
     g = geometry_for(hf.config, 1, 10, torch.float32, kv_format="q4:16")  # type: ignore[attr-defined]
     with BladedCache(MemoryKV(g), dtype=torch.float32, kv_format="q4:16") as cache:
         assert cache.kv_tail == 128
         t, lg = hf_greedy(hf, ids, 4, cache=cache)
-    assert torch.equal(t, ref_t) and all(torch.equal(a, b) for a, b in zip(lg, ref_l, strict=True))
+    assert torch.equal(t, ref_t)
+    assert_logits_close(lg, ref_l)
     with BladedCache(MemoryKV(g), dtype=torch.float32, kv_tail=0) as cache:
         assert cache.kv_tail == 0
         _, off = hf_greedy(hf, ids, 4, cache=cache)
-    assert max(float((a - b).abs().max()) for a, b in zip(off[1:], ref_l[1:], strict=True)) > 0
+    assert max(float((a - b).abs().max()) for a, b in zip(off[1:], ref_l[1:], strict=True)) > LOGIT_TOL
     with pytest.raises(ValueError, match=r"^kv_tail=-1: the full-precision tail is a number of tokens, 0 or more"):
         BladedCache(MemoryKV(g), kv_tail=-1)
 
