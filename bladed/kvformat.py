@@ -68,6 +68,8 @@ class KVFormat:
     #: their memory instead of their read-back rows (the rows are written all the same), as the accuracy
     #: measurement applied it
     full_precision_tail: ClassVar[int] = 0
+    #: whether a row is the elements themselves (fp16, bf16, fp32), not a quantized encoding
+    plain: ClassVar[bool] = False
 
     def check(self, head_dim: int) -> None:
         """Raise :class:`KVFormatError` unless rows of this ``head_dim`` can be stored."""
@@ -90,11 +92,6 @@ class KVFormat:
     def block_bytes(self) -> int:
         """Bytes of one stored block of :attr:`block` values."""
         raise NotImplementedError
-
-    @property
-    def plain(self) -> bool:
-        """Whether a row is the elements themselves (fp16, bf16, fp32), not a quantized encoding."""
-        return False
 
     @property
     def bits_per_value(self) -> float:
@@ -160,6 +157,7 @@ class KVFormat:
 class PlainFormat(KVFormat):
     """Identity encodings: the elements in ``dtype``'s own bytes."""
 
+    plain: ClassVar[bool] = True
     #: the torch dtype's name and its element size (no torch needed to size a row)
     dtype_name: str = "float16"
     element_bytes: int = 2
@@ -170,10 +168,6 @@ class PlainFormat(KVFormat):
 
         dtype: torch.dtype = getattr(torch, self.dtype_name)
         return dtype
-
-    @property
-    def plain(self) -> bool:
-        return True
 
     @property
     def block_bytes(self) -> int:

@@ -7,6 +7,7 @@ A KPU is one layer's K or one layer's V tensor, shaped ``(max_tokens, B*H, D)``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +139,7 @@ class Geometry:
             out["kv_format"] = self.kv_format
         return out
 
-    @property
+    @functools.cached_property      # every request's range checks read it: the format is parsed once
     def token_bytes(self) -> int:
         """One token of one K or V tensor: ``B*H*D*e`` (Table II), or the row of a quantized format."""
         if self.kv_format:
