@@ -97,6 +97,10 @@ class BudgetConfig:
     #: kernel memory charged to the cgroup per byte of page cache (buffer heads, page-cache index): B_pc leaves
     #: room for it; measured 0.028 on ext4 (docs/architecture.md, "The page-cache budget"); 0 = the paper's Eq. 2
     kernel_overhead: float = 0.03
+    #: the fraction of a cgroup's limit B_pc leaves free (M_free), so the charges no term of Eq. 1-2 names never
+    #: bring the cgroup to its limit, where reclaim meets Group 1's dirty pages and stalls (docs/architecture.md,
+    #: "The page-cache budget"); 0 = a budget that fills the cgroup
+    headroom: float = 0.02
 
 
 @dataclass
@@ -453,6 +457,9 @@ def validate(cfg: Config) -> list[str]:
     if not 0.0 <= b.kernel_overhead < 1.0:
         p.append(f"budget.kernel_overhead: must be within [0, 1) (0.03 on ext4, 0 for the paper's Eq. 2), "
                  f"got {b.kernel_overhead}")
+    if not 0.0 <= b.headroom < 0.5:
+        p.append(f"budget.headroom: must be within [0, 0.5) (a fraction of the memory limit left free; 0.02 by "
+                 f"default), got {b.headroom}")
     if b.override is not None and b.cap is not None and b.override > b.cap:
         p.append(f"budget.override ({b.override}) is larger than budget.cap ({b.cap})")
     io = cfg.io

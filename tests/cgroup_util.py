@@ -248,6 +248,16 @@ def _cmd_write_file(path: str, nbytes: int) -> int:
     return nbytes
 
 
+def _cmd_map_file(path: str, nbytes: int) -> int:
+    """Write ``nbytes`` through the page cache, map them and read every page (kept mapped until exit)."""
+    _cmd_write_file(path, nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    total = sum(m[off] for off in range(0, nbytes, mmap.PAGESIZE))
+    _held.append((fd, m))
+    return total
+
+
 def _cmd_call(target: str, kwargs: dict[str, Any]) -> Any:
     """Run ``module:function(**kwargs)`` (modules from tests/ or the repository)."""
     mod, _, fn = target.partition(":")
@@ -255,7 +265,8 @@ def _cmd_call(target: str, kwargs: dict[str, Any]) -> Any:
 
 
 _COMMANDS: dict[str, Callable[..., Any]] = {
-    "ping": _cmd_ping, "anon": _cmd_anon, "shmem": _cmd_shmem, "write_file": _cmd_write_file, "call": _cmd_call,
+    "ping": _cmd_ping, "anon": _cmd_anon, "shmem": _cmd_shmem, "write_file": _cmd_write_file,
+    "map_file": _cmd_map_file, "call": _cmd_call,
 }
 
 

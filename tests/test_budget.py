@@ -96,6 +96,41 @@ def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
     assert b.file_bytes == (s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"])
 
 
+def kernel_mapped(cg: ChildCgroup) -> int:
+    s = read_stat(cg.path)
+    return s["total_mapped_file"] if cg.version == "v1" else s["file_mapped"]
+
+
+@pytest.mark.root
+def test_mapped_files_stay_resident_and_bladed_kv_does_not(loaded_cgroup: Any, tmp_path: pathlib.Path) -> None:
+    """A file the cgroup's processes map (their code, weights they mmap) is kept out of the budget: Group 1
+    would evict it and they would fault it back in.  bladed's own KV pages, mapped too, are not kept."""
+    cg, w = loaded_cgroup
+    w.call("map_file", path=str(tmp_path / "weights"), nbytes=24 * MiB)
+    plain = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, pid=w.pid).sample()
+    mapped, (anon, shmem) = kernel_mapped(cg), kernel_anon_shmem(cg)
+    assert mapped >= 24 * MiB + 32 * MiB          # the file and the worker's shmem, which the kernel counts too
+    assert plain.file_mapped_bytes == mapped and plain.own_kv_bytes == 0
+    assert plain.mapped_bytes == mapped - shmem >= 24 * MiB
+    assert plain.usable_bytes == 256 * MiB - anon - shmem - plain.mapped_bytes
+    # the same pages taken for bladed's KV (what the daemon measures of its own files): nothing is kept
+    ours = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, pid=w.pid, own_kv_bytes=lambda: 24 * MiB).sample()
+    assert ours.own_kv_bytes == 24 * MiB and ours.mapped_bytes == max(0, mapped - shmem - 24 * MiB) < 4 * MiB
+    assert ours.pagecache_budget_bytes - plain.pagecache_budget_bytes == plain.mapped_bytes - ours.mapped_bytes
+
+
+@pytest.mark.root
+def test_headroom_keeps_part_of_the_limit_free(loaded_cgroup: Any) -> None:
+    _, w = loaded_cgroup
+    full = Budgeter(copy_threads=1, pinned_per_thread_bytes=4 * MiB, pid=w.pid).sample()
+    kept = Budgeter(copy_threads=1, pinned_per_thread_bytes=4 * MiB, pid=w.pid, headroom=0.05).sample()
+    assert (full.free_bytes, full.headroom) == (0, 0.0)
+    assert kept.free_bytes == int(0.05 * 256 * MiB) and kept.headroom == 0.05
+    assert full.pagecache_budget_bytes - kept.pagecache_budget_bytes == kept.free_bytes + \
+        (kept.anon_shmem_bytes - full.anon_shmem_bytes) + (kept.mapped_bytes - full.mapped_bytes)
+    assert "M_free=13)" in kept.describe()          # 12.8 MiB
+
+
 @pytest.mark.root
 def test_budget_follows_a_changed_limit(loaded_cgroup: Any) -> None:
     cg, _ = loaded_cgroup
@@ -283,9 +318,10 @@ def test_v2_parser_on_a_fake_tree(tmp_path: pathlib.Path) -> None:
 def test_v2_unlimited_uses_host_memory(tmp_path: pathlib.Path) -> None:
     proc = _v2_tree(tmp_path)
     b = Budgeter(2, 64 * MiB, proc_root=str(proc), mem_available=lambda: 3 * GiB,
-                 mem_total=lambda: 16 * GiB).sample()
+                 mem_total=lambda: 16 * GiB, headroom=0.02).sample()
     assert not b.limited and b.memory_limit_bytes == 16 * GiB and b.memory_limit_source == "host MemTotal"
     assert b.usable_bytes == 3 * GiB and b.binding == "host_available"
+    assert b.free_bytes == 0          # no cgroup limit to stay off: MemAvailable already leaves the watermarks
 
 
 def test_hybrid_fake_prefers_the_v1_memory_controller(tmp_path: pathlib.Path) -> None:

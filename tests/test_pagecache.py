@@ -153,6 +153,24 @@ def test_cachestat_agrees_with_mincore(store: PageCacheStore, monkeypatch: pytes
     assert f.read_into(buf, MiB, 4 * MiB) == 0.5
 
 
+def test_cached_bytes_counts_what_the_kv_files_hold_now(store: PageCacheStore,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the budget subtracts from the cgroup's mapped page cache as bladed's own (Eq. 1's M_kv)."""
+    a, b = store.open("held-a", 8 * MiB), store.open("held-b", 8 * MiB)
+    assert store.cached_bytes() == 0                  # neither is materialized: no page of them is ours yet
+    a.write_from(_pattern(4 * MiB, 6), 0, 4 * MiB)
+    b.write_from(_pattern(8 * MiB, 7), 0, 8 * MiB)
+    b.drop(0, 2 * MiB)                                # a whole, aligned 2 MiB (large folios)
+    assert (a.cached_bytes(), b.cached_bytes()) == (4 * MiB, 6 * MiB)
+    assert store.cached_bytes() == 10 * MiB
+    import bladed.io.pagecache as pc
+
+    monkeypatch.setattr(pc, "_cachestat_ok", False)   # kernels before 6.5: mincore(2) of the mapping
+    assert store.cached_bytes() == 10 * MiB
+    b.close()
+    assert b.cached_bytes() == 0 and store.cached_bytes() == 4 * MiB
+
+
 def test_drop_evicts_dirty_and_mapped_pages(store: PageCacheStore) -> None:
     # pages just written are dirty, and once read they are mapped too: plain fadvise would keep them
     f = store.open("dirty", 16 * MiB)

@@ -209,8 +209,13 @@ def budget() -> None:
             ("memory limit (M_max)", f"{size(s.get('memory_limit_bytes'))}  ({s.get('memory_limit_source')})"),
             ("anon + shmem (M_anon+shmem)", f"{size(s.get('anon_shmem_bytes'))}  (anon {size(s.get('anon_bytes'))}, "
                                             f"shmem {size(s.get('shmem_bytes'))})"),
-            ("usable (M*)", f"{size(s.get('usable_bytes'))}  = min(M_avail, M_max - M_anon+shmem)  "
-                            f"[Eq. 1, {s.get('binding')} binds]"),
+            ("mapped, kept (M_mapped)", f"{size(s.get('mapped_bytes'))}  (mapped page cache "
+                                        f"{size(s.get('file_mapped_bytes'))} less shmem and bladed's KV "
+                                        f"{size(s.get('own_kv_bytes'))}: the processes' code and files)"),
+            ("kept free (M_free)", f"{size(s.get('free_bytes'))}  ({s.get('headroom')} of M_max where a cgroup "
+                                   f"limits)"),
+            ("usable (M*)", f"{size(s.get('usable_bytes'))}  = min(M_avail, M_max - M_anon+shmem - M_mapped - M_free)"
+                            f"  [Eq. 1, {s.get('binding')} binds]"),
             ("staging (M_pin,others)", f"{size(s.get('pinned_elsewhere_bytes'))}  (of the open sessions; "
                                        f"{size(s.get('pinned_uncharged_bytes'))} not yet charged as shmem)"),
             ("page-cache budget (B_pc)", f"{size(s.get('pagecache_budget_bytes'))}  = max(0, M* - uncharged staging) "

@@ -201,6 +201,19 @@ class PageCacheFile:
         with self._use():
             return self._residency(offset, n, pages)
 
+    def cached_bytes(self) -> int:
+        """Bytes of the file now in the page cache; 0 before it is materialized (not mapped, none of it ours)."""
+        with self._lock:
+            if self._mm is None or self._closed:
+                return 0
+            self._users += 1
+        try:
+            cs = cachestat(self.fd, 0, self.nbytes)
+            pages = min(cs.cache, _pages(0, self.nbytes)) if cs is not None else self._mincore(0, self.nbytes)
+        finally:
+            self._leave()
+        return pages * PAGE_SIZE
+
     def _residency(self, offset: int, nbytes: int, pages: int) -> float:
         cs = cachestat(self.fd, offset, nbytes)
         if cs is not None:
@@ -402,6 +415,10 @@ class PageCacheStore:
     def files(self) -> list[PageCacheFile]:
         with self._lock:
             return list(self._files.values())
+
+    def cached_bytes(self) -> int:
+        """Bytes of the store's mapped files now in the page cache."""
+        return sum(f.cached_bytes() for f in self.files)
 
     def _forget(self, f: PageCacheFile) -> None:
         with self._lock:

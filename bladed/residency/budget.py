@@ -3,10 +3,26 @@
     M*   = min(M_avail, M_max - M_anon+shmem)                       (Eq. 1)
     B_pc = max(0, M* - N_threads * M_pin)                             (Eq. 2)
 
-as bladed computes Eq. 2 (docs/architecture.md, "The page-cache budget"):
+as bladed computes them (docs/architecture.md, "The page-cache budget"):
 
+    M_mapped = max(0, M_file,mapped - M_shmem - M_kv)
+    M_free   = headroom * M_max      (where a cgroup limit gives M_max; else 0)
+    M*   = min(M_avail, M_max - M_anon+shmem - M_mapped - M_free)
     M_pin,uncharged = N_threads * M_pin + max(0, M_pin,others - M_shmem)
     B_pc = max(0, M* - M_pin,uncharged) / (1 + k_kernel)
+
+``M_mapped`` is the page cache the cgroup's processes map that is neither
+shmem nor bladed's own KV (``M_kv``, the page cache of the daemon's KV files):
+their code and the files they work on.  The paper's Eq. 1 counts it as free
+for the KV, but a cgroup that fills its limit with Group 1 evicts it (the
+processes fault their code back in) and then meets Group 1's dirty pages,
+which reclaim cannot free without writeback: it throttles 100 ms at a time
+(``VMSCAN_THROTTLE_WRITEBACK``) and wakes the flusher, whose burst stalls the
+direct path.  ``M_free`` keeps the cgroup off its limit for the charges no
+term names (the session's page tables and slab, the processes' heaps, the
+kernel's per-CPU charge batches): without it, a cgroup whose Group 1 reached
+its limit reclaimed on every one-token append (docs/benchmarks.md, "A budget
+that fills the cgroup").
 
 The open sessions' staging (``M_pin,others``) is shmem once the daemon has
 touched it, so it is counted once; the staging of the session being planned
@@ -88,6 +104,11 @@ class BudgetBreakdown:
     pinned_elsewhere_bytes: int = 0  # M_pin,others: staging of the open sessions (shmem once touched)
     pinned_uncharged_bytes: int = 0  # M_pin,uncharged: the staging not yet charged as shmem (what Eq. 2 subtracts)
     kernel_overhead: float = 0.0     # k_kernel: kernel memory charged per byte of page cache
+    mapped_bytes: int = 0            # M_mapped (Eq. 1 as bladed computes it): mapped page cache kept resident
+    file_mapped_bytes: int = 0       # M_file,mapped: page cache mapped into the cgroup's processes, shmem included
+    own_kv_bytes: int = 0            # M_kv: page cache of bladed's own KV files (sessions' Group 1, retained prefixes)
+    headroom: float = 0.0            # the fraction of a cgroup's limit kept free
+    free_bytes: int = 0              # M_free (Eq. 1 as bladed computes it): headroom * M_max where a cgroup limits
 
     @property
     def pinned_bytes(self) -> int:
@@ -119,7 +140,9 @@ class BudgetBreakdown:
         return (f"B_pc={self.pagecache_budget_bytes / mib:.0f} MiB{extra} = max(0, M*={self.usable_bytes / mib:.0f} - "
                 f"uncharged staging {self.pinned_uncharged_bytes / mib:.0f}) / {1 + self.kernel_overhead:g} ; "
                 f"M* = min(M_avail={self.host_available_bytes / mib:.0f}, M_max={self.memory_limit_bytes / mib:.0f} - "
-                f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f}) MiB [{self.cgroup_version} {self.cgroup or 'host'}]")
+                f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f} - M_mapped={self.mapped_bytes / mib:.0f} - "
+                f"M_free={self.free_bytes / mib:.0f}) MiB "
+                f"[{self.cgroup_version} {self.cgroup or 'host'}]")
 
 
 def _eq2(usable: int, shmem: int, copy_threads: int, pinned_per_thread: int, pinned_elsewhere: int,
@@ -156,8 +179,10 @@ class Budgeter:
     ``copy_threads * pinned_per_thread_bytes`` is the staging of the session
     being planned (not yet touched), ``pinned_elsewhere_bytes`` the staging of
     the open sessions (shmem once touched), and
-    ``kernel_overhead`` the kernel memory charged per byte of page cache (module
-    docstring).
+    ``kernel_overhead`` the kernel memory charged per byte of page cache,
+    ``headroom`` the fraction of a cgroup's limit left free, and
+    ``own_kv_bytes()`` the page cache of bladed's own KV files now (``M_kv``;
+    none without it) (module docstring).
     """
 
     def __init__(self, copy_threads: int, pinned_per_thread_bytes: int, override_bytes: int | None = None,
@@ -165,12 +190,15 @@ class Budgeter:
                  proc_root: str = "/proc", mem_available: Callable[[], int] | None = None,
                  mem_total: Callable[[], int] | None = None, hysteresis_bytes: int = 32 << 20,
                  pressure_level: str = "medium", pinned_elsewhere_bytes: int = 0,
-                 kernel_overhead: float = 0.0) -> None:
+                 kernel_overhead: float = 0.0, own_kv_bytes: Callable[[], int] | None = None,
+                 headroom: float = 0.0) -> None:
         if copy_threads < 0 or pinned_per_thread_bytes < 0 or pinned_elsewhere_bytes < 0:
             raise ValueError(f"copy_threads, pinned_per_thread_bytes and pinned_elsewhere_bytes must be >= 0, got "
                              f"{copy_threads}, {pinned_per_thread_bytes} and {pinned_elsewhere_bytes}")
         if not 0.0 <= kernel_overhead < 1.0:
             raise ValueError(f"kernel_overhead must be in [0, 1), got {kernel_overhead}")
+        if not 0.0 <= headroom < 0.5:
+            raise ValueError(f"headroom must be in [0, 0.5), got {headroom}")
         for name, v in (("override_bytes", override_bytes), ("cap_bytes", cap_bytes)):
             if v is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
@@ -180,6 +208,8 @@ class Budgeter:
         self.pinned_per_thread_bytes = pinned_per_thread_bytes  # M_pin (Eq. 2)
         self.pinned_elsewhere_bytes = pinned_elsewhere_bytes
         self.kernel_overhead = kernel_overhead
+        self.own_kv_bytes = own_kv_bytes
+        self.headroom = headroom
         self.override_bytes = override_bytes
         self.cap_bytes = cap_bytes
         self.cgroup_path = cgroup_path
@@ -207,12 +237,16 @@ class Budgeter:
         """Read the kernel's figures now and compute Eq. 1-2."""
         info = self.locate()
         reading = read_memory(info, self.proc_root)
+        # after the cgroup's figures: KV pages mapped in between count as ours, never as the processes' own
+        own_kv = max(0, self.own_kv_bytes()) if self.own_kv_bytes is not None else 0
         m_avail = self._mem_available()
         mem_total = self._mem_total()
         limited = reading.limit is not None and reading.limit < mem_total
         m_max = reading.limit if (reading.limit is not None and limited) else mem_total
         m_anon_shmem = reading.anon + reading.shmem
-        cg_side = m_max - m_anon_shmem
+        m_mapped = max(0, reading.mapped - reading.shmem - own_kv)
+        m_free = int(self.headroom * m_max) if limited else 0
+        cg_side = m_max - m_anon_shmem - m_mapped - m_free
         m_star = min(m_avail, cg_side)                                     # Eq. 1
         uncharged, computed, b_pc = _eq2(m_star, reading.shmem, self.copy_threads, self.pinned_per_thread_bytes,
                                          self.pinned_elsewhere_bytes, self.kernel_overhead, self.override_bytes,
@@ -227,7 +261,8 @@ class Budgeter:
             memory_limit_source=reading.limit_source if limited else "host MemTotal",
             binding="host_available" if m_avail <= cg_side else "cgroup", reason=reason,
             pinned_elsewhere_bytes=self.pinned_elsewhere_bytes, pinned_uncharged_bytes=uncharged,
-            kernel_overhead=self.kernel_overhead,
+            kernel_overhead=self.kernel_overhead, mapped_bytes=m_mapped, file_mapped_bytes=reading.mapped,
+            own_kv_bytes=own_kv, headroom=self.headroom, free_bytes=m_free,
         )
         with self._lock:
             self._last = b

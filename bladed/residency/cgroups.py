@@ -227,6 +227,7 @@ class MemoryReading:
     shmem: int
     file: int                    # page cache, shmem excluded
     kernel: int | None           # kernel memory charged to the cgroup, where reported
+    mapped: int = 0              # page cache mapped into processes, shmem included (as the kernel counts it)
 
 
 def read_v1(info: CgroupInfo) -> MemoryReading:
@@ -254,7 +255,8 @@ def read_v1(info: CgroupInfo) -> MemoryReading:
     shmem = stat.get("total_shmem", stat.get("shmem", 0))
     cache = stat.get("total_cache", stat.get("cache", 0))
     return MemoryReading(limit=limit, limit_source=source, anon=anon, shmem=shmem,
-                         file=max(0, cache - shmem), kernel=kernel)
+                         file=max(0, cache - shmem), kernel=kernel,
+                         mapped=stat.get("total_mapped_file", stat.get("mapped_file", 0)))
 
 
 def read_v2(info: CgroupInfo) -> MemoryReading | None:
@@ -272,7 +274,8 @@ def read_v2(info: CgroupInfo) -> MemoryReading | None:
     stat = _parse_stat(text)
     shmem = stat.get("shmem", 0)
     return MemoryReading(limit=limit, limit_source=source, anon=stat.get("anon", 0), shmem=shmem,
-                         file=max(0, stat.get("file", 0) - shmem), kernel=stat.get("kernel"))
+                         file=max(0, stat.get("file", 0) - shmem), kernel=stat.get("kernel"),
+                         mapped=stat.get("file_mapped", 0))
 
 
 def read_host(proc_root: str = "/proc") -> MemoryReading:
@@ -285,7 +288,7 @@ def read_host(proc_root: str = "/proc") -> MemoryReading:
             info[key] = int(parts[0]) * 1024
     shmem = info.get("Shmem", 0)
     return MemoryReading(limit=None, limit_source="", anon=info.get("AnonPages", 0), shmem=shmem,
-                         file=max(0, info.get("Cached", 0) - shmem), kernel=None)
+                         file=max(0, info.get("Cached", 0) - shmem), kernel=None, mapped=info.get("Mapped", 0))
 
 
 

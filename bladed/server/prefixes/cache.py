@@ -77,6 +77,10 @@ class PrefixCache:
     def pagecache_bytes(self) -> int:
         return self.index.pagecache_bytes
 
+    def cached_bytes(self) -> int:
+        """Bytes of the retained prefixes' page-cache files now in the page cache."""
+        return self.index.cached_bytes()
+
     @property
     def device_bytes(self) -> int:
         return self.index.device_bytes

@@ -28,6 +28,12 @@ class PrefixIndex:
         with self.lock:
             return sum(e.pagecache_bytes for e in self.entries.values())
 
+    def cached_bytes(self) -> int:
+        """Bytes of the entries' page-cache files now in the page cache (measured, not planned)."""
+        with self.lock:
+            entries = list(self.entries.values())
+        return sum(e.pagecache.cached_bytes() for e in entries)
+
     @property
     def device_bytes(self) -> int:
         with self.lock:

@@ -32,12 +32,15 @@ class BudgetSampler:
     """Samples Eq. 1-2 for the daemon as a whole and hands the latest reading to every reader.
 
     ``staging_bytes()`` is the staging of the open sessions (``M_pin,others``), asked at every read, so a
-    reading stays exact for the sessions opened or closed since it was measured.
+    reading stays exact for the sessions opened or closed since it was measured; ``own_kv_bytes()`` the page
+    cache of the daemon's KV files (``M_kv``), asked at every measurement.
     """
 
-    def __init__(self, cfg: Config, staging_bytes: Callable[[], int]) -> None:
+    def __init__(self, cfg: Config, staging_bytes: Callable[[], int],
+                 own_kv_bytes: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.staging_bytes = staging_bytes
+        self.own_kv_bytes = own_kv_bytes
         self._lock = threading.Lock()
         self._budgeter: Budgeter | None = None
         self._last: BudgetBreakdown | None = None
@@ -129,7 +132,8 @@ class BudgetSampler:
                 c = self.cfg.budget
                 self._budgeter = Budgeter(0, 0, override_bytes=c.override, cap_bytes=c.cap,
                                           cgroup_path=c.cgroup or None, pinned_elsewhere_bytes=self.staging_bytes(),
-                                          kernel_overhead=c.kernel_overhead)
+                                          kernel_overhead=c.kernel_overhead, own_kv_bytes=self.own_kv_bytes,
+                                          headroom=c.headroom)
             return self._budgeter
 
     def _keep(self, b: BudgetBreakdown) -> BudgetBreakdown:

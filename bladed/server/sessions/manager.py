@@ -55,7 +55,7 @@ class SessionManager:
         self.stats = stats
         self.ledger = BudgetLedger()
         #: the daemon's one budget reading: the re-planner schedules it, opens, prefixes and reports read it
-        self.budget = BudgetSampler(cfg, self.staging_bytes)
+        self.budget = BudgetSampler(cfg, self.staging_bytes, self.own_kv_bytes)
         self.replanner = LiveReplanner(self)
         self.prefixes = PrefixCache(cfg, device, allocator, journal, stats)
         self.prefixes.pagecache_room = self._pagecache_room
@@ -69,6 +69,12 @@ class SessionManager:
     def staging_bytes(self) -> int:
         """The staging of every open session (shmem of the daemon's once it is touched)."""
         return sum(s.staging_bytes for s in self.live_sessions())
+
+    def own_kv_bytes(self) -> int:
+        """Page cache the daemon's KV files hold now (the open sessions' and the retained prefixes'): Eq. 1's
+        ``M_kv``, the part of the cgroup's mapped page cache that is not its processes' own."""
+        live = sum(s.pagecache.cached_bytes() for s in self.live_sessions() if s.pagecache is not None)
+        return live + self.prefixes.cached_bytes()
 
     def _pagecache_room(self) -> int:
         """Page-cache bytes neither live sessions nor retained prefixes hold, of the daemon's ``B_pc`` (a reading

@@ -55,6 +55,11 @@ class PageCacheKPUStore(KPUStore):
         for k in self._kpus.values():
             self._files[k.tensor_id] = self._store.open(k.name, k.nbytes)
 
+    def cached_bytes(self) -> int:
+        """Bytes of these KPUs' files now in the page cache (part of the cgroup's mapped page cache)."""
+        store = self._store          # a concurrent close() drops it
+        return store.cached_bytes() if store is not None else 0
+
     def holds(self, tensor_id: int) -> bool:
         return tensor_id in self._files
 
