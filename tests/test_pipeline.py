@@ -92,3 +92,34 @@ def test_adaptive_picks_the_faster_strategy_per_group(llama: tuple, contended: i
     for grp in ("1", "2"):
         assert res.pipeline["intra_GBps"][grp] > 0 and res.pipeline["cross_GBps"][grp] > 0
     assert_same(res, ref)
+
+
+def test_adaptive_trial_alternates_layers_and_decides_after_one_iteration() -> None:
+    """Iteration 2 loads a group's layers alternately under overlap-intra and overlap-cross and fixes the
+    faster one at its end; a group with one layer there is tried under overlap-cross in iteration 3."""
+    pool = CopyThreadPool(2)
+    pipe = AdaptivePipeline(pool, "adaptive")
+    layers = [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2)]       # (layer, group): four layers in Group 1, one in 2
+    seen: dict[tuple[int, int], str] = {}
+    decided_after: dict[int, dict[int, str]] = {}
+    for it in range(1, 5):
+        pipe.begin_iteration(it)
+        for layer, group in layers:
+            jobs = [LoadJob(read=lambda: torch.ones(1 << 14).sum(), dma=lambda: None, nbytes=1 << 16)
+                    for _ in range(2)]
+            h = pipe.load(jobs, group)
+            h.result()
+            seen[(it, layer)] = h.strategy
+        pipe.end_iteration()
+        decided_after[it] = dict(pipe.decision)
+    pool.close()
+    assert [seen[(1, layer)] for layer, _ in layers] == ["intra"] * 5               # the warm-up
+    assert [seen[(2, layer)] for layer, _ in layers] == ["intra", "cross", "intra", "cross", "intra"]
+    assert set(decided_after[2]) == {1}                                             # Group 2 had no cross load
+    assert seen[(3, 4)] == "cross" and set(decided_after[3]) == {1, 2}
+    report = pipe.report()
+    for g in ("1", "2"):
+        faster = "cross" if report["cross_GBps"][g] > report["intra_GBps"][g] else "intra"
+        assert report["decision"][g] == faster
+    assert all(seen[(it, layer)] == pipe.decision[group] for it in (3, 4) for layer, group in layers[:4])
+    assert seen[(4, 4)] == pipe.decision[2]
