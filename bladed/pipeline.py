@@ -20,9 +20,9 @@ the strategy with the higher measured throughput for the rest of the run.  The
 paper measures iteration 2 under overlap-intra and iteration 3 under
 overlap-cross; bladed measures both in iteration 2, on alternate layers of each
 group (intra, cross, intra, ...), and decides at its end.  The trial then
-costs half an iteration in the worse strategy, not a whole one (in a 5-step
-KV sweep run with page-cache reads, the whole cross iteration took 1.4-1.5 x
-the others: docs/benchmarks.md), and both are measured under the same
+costs half an iteration in the worse strategy, not a whole one (in the KV
+sweep's 5-step runs of q8 and q4 rows, the whole overlap-cross iteration took
+1.2-1.55 x the other steps: docs/benchmarks.md), and both are measured under the same
 conditions, alternately, not one iteration apart.  A group with a single
 layer in iteration 2 is measured under overlap-cross in iteration 3, as the
 paper does.
