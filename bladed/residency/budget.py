@@ -18,11 +18,11 @@ for the KV, but a cgroup that fills its limit with Group 1 evicts it (the
 processes fault their code back in) and then meets Group 1's dirty pages,
 which reclaim cannot free without writeback: it throttles 100 ms at a time
 (``VMSCAN_THROTTLE_WRITEBACK``) and wakes the flusher, whose burst stalls the
-direct path.  ``M_free`` keeps the cgroup off its limit for the charges no
+direct path (docs/architecture.md).  ``M_free`` keeps the cgroup off its limit for the charges no
 term names (the session's page tables and slab, the processes' heaps, the
 kernel's per-CPU charge batches): without it, a cgroup whose Group 1 reached
-its limit reclaimed on every one-token append (docs/benchmarks.md, "A budget
-that fills the cgroup").
+its limit reclaimed on every one-token append (docs/bench/HISTORY.md, "Issue 31
+evening").
 
 The open sessions' staging (``M_pin,others``) is shmem once the daemon has
 touched it, so it is counted once; the staging of the session being planned
