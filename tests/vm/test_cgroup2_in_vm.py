@@ -32,7 +32,7 @@ from bladed.residency.cgroups import locate_memory_cgroup
 pytestmark = pytest.mark.systemd_vm
 
 MiB = 1 << 20
-STAT_KEYS = ("anon", "shmem", "file", "kernel")
+STAT_KEYS = ("anon", "shmem", "file", "kernel", "file_mapped")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,7 +122,10 @@ def test_every_budget_term_matches_the_kernel_files(worker_cgroup: Any) -> None:
     assert b.kernel_bytes == s["kernel"]
     meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
     assert b.host_total_bytes == meminfo["MemTotal"]
-    assert b.usable_bytes == min(b.host_available_bytes, 192 * MiB - b.anon_shmem_bytes)      # Eq. 1
+    # the page cache the worker maps (v2's file_mapped counts its shmem too) stays out of the budget
+    assert b.file_mapped_bytes == s["file_mapped"] and b.mapped_bytes == max(0, s["file_mapped"] - s["shmem"])
+    assert b.free_bytes == 0                                                            # no headroom asked
+    assert b.usable_bytes == min(b.host_available_bytes, 192 * MiB - b.anon_shmem_bytes - b.mapped_bytes)  # Eq. 1
     assert b.binding == "cgroup"                                                        # 2 GiB guest
     assert b.pagecache_budget_bytes == max(0, b.usable_bytes - 2 * 8 * MiB) == b.pagecache_budget_computed_bytes
 

@@ -265,9 +265,14 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
                 assert Path(CGROUP, "memory.high").read_text().strip() == str(300 * MiB)
                 s = admin.budget()["sample"]
                 assert (s["memory_limit_bytes"], s["memory_limit_source"]) == (300 * MiB, f"{CGROUP}/memory.high"), s
-                assert s["usable_bytes"] == min(s["host_available_bytes"], 300 * MiB - s["anon_shmem_bytes"])
-                # the session's page-cache files (2 KPUs) are charged to the unit
-                assert s["file_bytes"] >= 2 * KPU
+                # Eq. 1 with the page cache the unit maps kept and budget.headroom (0.02) of the limit left free
+                assert s["free_bytes"] == int(0.02 * 300 * MiB) and s["mapped_bytes"] >= 0
+                assert s["usable_bytes"] == min(s["host_available_bytes"], 300 * MiB - s["anon_shmem_bytes"]
+                                                - s["mapped_bytes"] - s["free_bytes"])
+                # the session's page-cache files (2 KPUs) are charged to the unit, and the daemon counts them
+                # as its own KV (what it takes out of the unit's mapped page cache)
+                assert s["file_bytes"] >= 2 * KPU and s["own_kv_bytes"] == 2 * KPU
+                assert s["mapped_bytes"] == max(0, s["file_mapped_bytes"] - s["shmem_bytes"] - s["own_kv_bytes"])
                 run("systemctl", "set-property", "--runtime", "bladed.service", "MemoryHigh=infinity")
                 s = admin.budget()["sample"]
                 assert (s["memory_limit_bytes"], s["memory_limit_source"]) == (400 * MiB, f"{CGROUP}/memory.max"), s
