@@ -236,8 +236,8 @@ def test_budget_moves_found_by_periodic_samples_are_debug_lines(tmp: str) -> Non
         return [f for f in budget_lines(d) if f["msg"] == "budget changed (periodic)"]
 
     with ChildCgroup(256 * MiB) as cg:
-        # kernel_overhead 0: B_pc is the limit itself while nothing is charged to cg
-        cfg = {"budget": {"cgroup": cg.path, "interval_s": 0.05, "kernel_overhead": 0.0},
+        # kernel_overhead and headroom 0: B_pc is the limit itself while nothing is charged to cg
+        cfg = {"budget": {"cgroup": cg.path, "interval_s": 0.05, "kernel_overhead": 0.0, "headroom": 0.0},
                "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
         with DaemonProcess(tmp, cfg).start() as d:
             path = os.path.join(tmp, "metrics.sock")
