@@ -10,6 +10,8 @@
   a ``non_blocking`` copy from it overlaps a kernel (CUDA events), closing a session unregisters it while it
   is still mapped and unmaps it after, and a client SIGKILLed with it registered leaves the daemon clean.
 * A copy from the device on a copy thread's stream waits for the compute stream that produced the tensor.
+* KV formats (issue 31) on CUDA: q8 and q4 rows encoded and decoded on the GPU within half a step, and the
+  runner's quantized KV through the daemon equals ``MemoryKV`` of the same format on CUDA bit for bit.
 
 Tests that need the daemon have ``bladed`` in their names: where the kernel has no io_uring the check
 deselects them (``-k "not bladed"``) and still runs the others.
@@ -342,3 +344,50 @@ def test_dma_from_the_device_waits_for_the_compute_stream_that_produced_it() -> 
     finally:
         pool.close()
     torch.cuda.synchronize()
+
+
+# -- KV formats on the GPU (issue 31) ---------------------------------------------------------------------------
+
+def _half_step_error(fmt: str, x: torch.Tensor, rows: torch.Tensor,
+                     y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the largest error of each block, half of its stored step ``d``)."""
+    from bladed.kvformat import kv_format
+
+    f = kv_format(fmt)
+    n = x.shape[0]
+    d = rows.view(n, -1, f.block_bytes)[..., :2].contiguous().view(torch.float16).float().squeeze(-1)
+    err = (y.reshape(n, -1, f.block) - x.float().reshape(n, -1, f.block)).abs().amax(-1)
+    return err, d / 2
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_kv_formats_quantize_on_the_gpu_within_half_a_step(fmt: str) -> None:
+    """Rows encoded and decoded on CUDA (torch ops on the tensor's device): the format's row size, every value
+    within half a step of its block, and CUDA's rows decode on the CPU to CUDA's values (within rounding)."""
+    from bladed.kvformat import kv_format
+
+    f = kv_format(fmt)
+    torch.manual_seed(0)
+    x = (torch.randn(64, 4, 128, device="cuda") * 3).half()
+    rows = f.encode(x)
+    assert rows.is_cuda and rows.dtype == torch.uint8 and tuple(rows.shape) == (64, f.row_bytes(4, 128))
+    y = f.decode(rows, torch.float32, (4, 128))
+    assert y.is_cuda and tuple(y.shape) == (64, 4, 128)
+    err, half = _half_step_error(fmt, x, rows, y)
+    assert bool((err <= half * 1.001 + 1e-4).all()), float((err - half).max())
+    assert torch.allclose(f.decode(rows.cpu(), torch.float32, (4, 128)), y.cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["q8:16", "q4:16"])
+def test_runner_on_cuda_with_quantized_kv_through_bladed_equals_memory_kv_of_the_format(
+        bladed_daemon: DaemonProcess, fmt: str) -> None:
+    """The copy threads quantize and dequantize on the GPU; bladed stores the rows: bit for bit the in-process
+    ``MemoryKV`` with the same format on CUDA (bladed adds no error of its own)."""
+    model = DecoderModel.from_hf(hf_model(CONFIGS["llama-gqa"], torch.float16)).to("cuda")   # head_dim 16
+    ids = prompt(model.cfg, 2, 7)
+    ref = run_cuda(model, ids, 6, lambda g: MemoryKV(g), kv_format=fmt, kv_tail=0)
+    with Client(bladed_daemon.socket_path) as client:
+        res = run_cuda(model, ids, 6, lambda g: BladedKV.open(g, mode="dualblade", channels=2, client=client),
+                       kv_format=fmt, kv_tail=0)
+    assert_same(res, ref)
+    assert set(res.stats) == {"pagecache", "direct"}
