@@ -22,10 +22,10 @@ overlap-cross; bladed measures both in iteration 2, on alternate layers of each
 group (intra, cross, intra, ...), and decides at its end.  The trial then
 costs half an iteration in the worse strategy, not a whole one (in the KV
 sweep's 5-step runs of q8 and q4 rows, the whole overlap-cross iteration took
-1.2-1.55 x the other steps: docs/bench/HISTORY.md, "Issue 31 evening"), and both are measured under the same
-conditions, alternately, not one iteration apart.  A group with a single
-layer in iteration 2 is measured under overlap-cross in iteration 3, as the
-paper does.
+1.2-1.55 x the other steps: docs/bench/HISTORY.md, "Issue 31 evening"), and
+both are measured under the same conditions, alternately, not one iteration
+apart.  A group with a single layer in iteration 2 is measured under
+overlap-cross in iteration 3, as the paper does.
 """
 
 from __future__ import annotations

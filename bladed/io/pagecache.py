@@ -208,17 +208,19 @@ class PageCacheFile:
                 return 0
             self._users += 1
         try:
-            cs = cachestat(self.fd, 0, self.nbytes)
-            pages = min(cs.cache, _pages(0, self.nbytes)) if cs is not None else self._mincore(0, self.nbytes)
+            return self._cached_pages(0, self.nbytes) * PAGE_SIZE
         finally:
             self._leave()
-        return pages * PAGE_SIZE
 
     def _residency(self, offset: int, nbytes: int, pages: int) -> float:
+        return self._cached_pages(offset, nbytes) / pages
+
+    def _cached_pages(self, offset: int, nbytes: int) -> int:
+        """Pages of ``[offset, offset + nbytes)`` in the page cache: cachestat(2), or mincore(2) of the mapping."""
         cs = cachestat(self.fd, offset, nbytes)
         if cs is not None:
-            return min(cs.cache, pages) / pages
-        return self._mincore(offset, nbytes) / pages
+            return min(cs.cache, _pages(offset, nbytes))
+        return self._mincore(offset, nbytes)
 
     def _mincore(self, offset: int, nbytes: int) -> int:
         start = offset - offset % PAGE_SIZE
