@@ -56,8 +56,7 @@ def main() -> int:
     p.add_argument("--json", required=True)
     a = p.parse_args()
     variants = {"old": old_pipeline(a.old_rev), "new": workload.AdaptivePipeline}
-    spec = WorkloadSpec(layers=32, batch=8, kv_heads=32, head_dim=128, dtype_bytes=2, prompt_len=512, gen_len=6,
-                        channels=2, pipeline="adaptive")
+    spec = WorkloadSpec()                  # the KV sweep's default workload: OPT-6.7B's layer shape, adaptive
     out: dict[str, Any] = {"old_rev": a.old_rev, "runs": []}
     with tempfile.TemporaryDirectory(prefix="ab-trial-") as tmp:
         for rep in range(a.reps):
