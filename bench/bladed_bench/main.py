@@ -180,7 +180,8 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
                         "(the storage side alone, as where a GPU quantizes)")
     s.add_argument("--configs", type=_configs, default=list(CONFIGS),
                    help="comma-separated; each may name a KV format: dualblade-q8, dualblade-q4, baseline-q8 "
-                        "(issue 31; the runs are charged this CPU's measured quantize/dequantize time)")
+                        "(issue 31; the runs are charged this CPU's measured quantize/dequantize time, unless "
+                        "--codec-charge none)")
     s.add_argument("--pipelines", type=_names(PIPELINES), default=["adaptive", "off"],
                    help="first: the main sweep's; the others for the on/off and alpha studies")
     s.add_argument("--pp-limits", type=_floats, default=[1.0], help="limits (GiB) of the P·P on/off study")
