@@ -462,6 +462,16 @@ class BladedKV:
                 self._client = None
 
 
+def _with_room(x: torch.Tensor, room: int) -> torch.Tensor:
+    """Tokens-first ``x`` followed by ``room`` uninitialised tokens (a copy when ``room``; the decoders of the
+    quantized formats and the plain formats' conversions allocate their own output)."""
+    if not room:
+        return x
+    out = torch.empty((x.shape[0] + room, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out[:x.shape[0]].copy_(x)
+    return out
+
+
 class SlotTensors:
     """Torch views over a backend's staging slots, and the K/V tensors they hold.
 
@@ -550,23 +560,30 @@ class SlotTensors:
 
     def take(self, ch: int, ntokens: int, device: torch.device | str = "cpu",
              non_blocking: bool = False, token_start: int = 0, *, layer: int | None = None,
-             kind: str | None = None) -> torch.Tensor:
+             kind: str | None = None, room: int = 0) -> torch.Tensor:
         """The K/V of the slot's tokens ``[token_start, token_start + ntokens)`` on ``device``, heads-first
         ``[batch, kv_heads, n, head_dim]`` of ``dtype`` (decoded from the format's rows if there is one).
 
         With ``layer`` and ``kind`` (the KPU the slot was read from) and a full-precision tail, the tokens
-        that KPU's ring holds come from the ring instead (the values written, exactly)."""
+        that KPU's ring holds come from the ring instead (the values written, exactly).
+
+        ``room``: the tensor has ``room`` more tokens after them, uninitialised (``[batch, kv_heads, n + room,
+        head_dim]``), for the caller to write the step's new tokens into instead of concatenating (a copy of
+        the whole past per layer and step)."""
         g, fmt = self.geometry, self.format
         end = token_start + ntokens
         ring = self._rings.get((layer, str(kind))) if self._ring_len and layer is not None else None
         if self.view_dtype is not None:
             src = self.views[ch][token_start:end]
-            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-            dst.copy_(src, non_blocking=non_blocking)
-            if dst.dtype != self.dtype:          # a plain format of other elements: back to the caller's dtype
-                dst = dst.to(self.dtype)
+            if self.view_dtype == self.dtype:
+                dst = torch.empty((ntokens + room, *src.shape[1:]), dtype=self.dtype, device=device)
+                dst[:ntokens].copy_(src, non_blocking=non_blocking)
+            else:                                # a plain format of other elements: back to the caller's dtype
+                dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+                dst.copy_(src, non_blocking=non_blocking)
+                dst = _with_room(dst.to(self.dtype), room)
             if ring is not None:
-                self._apply_tail(ring, dst, token_start)
+                self._apply_tail(ring, dst, token_start, ntokens)
             return dst.permute(1, 2, 0, 3)
         assert fmt is not None
         rows = self.rows[ch][token_start:end]
@@ -577,8 +594,9 @@ class SlotTensors:
         x = fmt.decode(rows, self.dtype, (g.batch, g.kv_heads, g.head_dim))
         if x.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
             x = x.clone()                        # never hand out the slot's memory: the next read reuses it
+        x = _with_room(x, room)
         if ring is not None:
-            self._apply_tail(ring, x, token_start)
+            self._apply_tail(ring, x, token_start, ntokens)
         return x.permute(1, 2, 0, 3)
 
     def tail_bytes(self) -> int:
@@ -621,11 +639,12 @@ class SlotTensors:
                 buf[:b - cap].copy_(src[cap - a:])
         ring[1], ring[2] = lo, hi
 
-    def _apply_tail(self, ring: list[Any], x: torch.Tensor, token_start: int) -> None:
-        """Put the ring's tokens into ``x`` (tokens-first, from ``token_start``) where they overlap it."""
+    def _apply_tail(self, ring: list[Any], x: torch.Tensor, token_start: int, ntokens: int) -> None:
+        """Put the ring's tokens into ``x`` (tokens-first, tokens ``[token_start, token_start + ntokens)``) where
+        they overlap it."""
         buf, lo, hi = ring
         cap = self._ring_len
-        a, b = max(lo, token_start), min(hi, token_start + int(x.shape[0]))
+        a, b = max(lo, token_start), min(hi, token_start + ntokens)
         if a >= b:
             return
         if buf.device != x.device:

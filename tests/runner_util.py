@@ -23,7 +23,7 @@ def hf_model(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> Any:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="sdpa")
     return model.to(dtype).eval().requires_grad_(False)
 
 

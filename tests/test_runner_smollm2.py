@@ -20,7 +20,7 @@ def smollm2() -> tuple:
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
-                                                           attn_implementation="eager")
+                                                           attn_implementation="sdpa")
     return lm, hf.eval().requires_grad_(False)
 
 

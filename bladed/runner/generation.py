@@ -281,6 +281,7 @@ class _Generation:
         self.prompt_ids = torch.empty(0, dtype=torch.long)
         self.step = 0
         self.position = 0                 # the position of the step's first input token
+        self.step_tokens = 0              # the tokens the step computes per sequence
         self.inputs: list[torch.Tensor] = []   # per GPU batch: the token ids the step feeds in
         self.hidden: list[torch.Tensor] = []   # per GPU batch: the hidden states between layers
         self.prefetched: dict[tuple[int, int], LoadHandle] = {}  # at most one load issued ahead
@@ -344,6 +345,8 @@ class _Generation:
         self.pipeline.begin_iteration(step)
         self.step = step
         self.position = self.start if step == 0 else self.prompt_len + step - 1
+        #: the tokens this step computes per sequence (the prefill's from ``start``, then one)
+        self.step_tokens = self.prompt_len - self.start if step == 0 else 1
         self.hidden = [self.model.embed(ids, self.position) for ids in self.inputs]
         self.prefetched = {}
 
@@ -393,8 +396,14 @@ class _Generation:
                       past: KVPair | None) -> tuple[torch.Tensor, KVPair, KVPair]:
         """One decoder layer over the step's tokens: (hidden out, the step's new KV, past + new KV)."""
         hidden, query, new_keys, new_values = self.model.qkv(weights, hidden, self.position)
-        keys = new_keys if past is None else torch.cat([past[0], new_keys], dim=-2)
-        values = new_values if past is None else torch.cat([past[1], new_values], dim=-2)
+        if past is None:
+            keys, values = new_keys, new_values
+        elif past[0].shape[2] > self.position:   # a load's tensors, with room for the step's tokens
+            past[0][:, :, self.position:].copy_(new_keys)
+            past[1][:, :, self.position:].copy_(new_values)
+            keys, values = past
+        else:
+            keys, values = torch.cat([past[0], new_keys], dim=-2), torch.cat([past[1], new_values], dim=-2)
         hidden = self.model.attend_mlp(weights, hidden, query, keys, values)
         return hidden, (new_keys, new_values), (keys, values)
 
@@ -490,8 +499,10 @@ class _Generation:
         backend, slots, backend_layer = self.backends[gpu_batch], self.slots[gpu_batch], self.backend_layer[layer]
         ntokens = self.position
         kinds: tuple[Kind, Kind] = ("k", "v")
+        room = self.step_tokens
         jobs = [LoadJob(read=partial(self._read_kv, backend, backend_layer, kind, ntokens),
-                        dma=partial(self._copy_to_device, slots, self.channel[kind], ntokens, backend_layer, kind),
+                        dma=partial(self._copy_to_device, slots, self.channel[kind], ntokens, room, backend_layer,
+                                    kind),
                         nbytes=ntokens * backend.geometry.token_bytes) for kind in kinds]
         return self.pipeline.load(jobs, backend.group(backend_layer, "k"))
 
@@ -501,14 +512,15 @@ class _Generation:
         self.stats.add(op, True)
         return op
 
-    def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int, backend_layer: int,
+    def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int, room: int, backend_layer: int,
                         kind: Kind) -> torch.Tensor:
         """Copy thread: DMA the staging slot's first ``ntokens`` tokens to the device, heads-first (decoded there
-        from the KV format's rows; the newest ``kv_tail`` of them from the full-precision copy)."""
+        from the KV format's rows; the newest ``kv_tail`` of them from the full-precision copy), into a tensor
+        with ``room`` for the step's new tokens (``compute_layer`` writes them there)."""
         # reads host memory only (and the tail's copy, written on this thread's stream): no wait for the
         # compute stream, so it overlaps the layer computing now
         return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda,
-                                               layer=backend_layer, kind=kind), independent=True)
+                                               layer=backend_layer, kind=kind, room=room), independent=True)
 
     def _submit_write(self, layer: int, gpu_batch: int, kind: Kind, new: torch.Tensor) -> None:
         """Queue the write of ``new`` (this step's tokens of a K or V, at ``position``) on its copy thread."""
