@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -156,4 +157,16 @@ class PrivateDaemon:
         self.stop()
 
 
-__all__ = ["PrivateDaemon", "SpawnError"]
+def cgroup_launcher(cgroup_dir: str) -> Callable[[list[str]], list[str]]:
+    """A ``wrap`` for :class:`PrivateDaemon` (or any child's argv): the process joins the cgroup at ``cgroup_dir``
+    (its pid written to ``cgroup.procs``) before it ``exec``s, so every page it touches is charged there from
+    its first instruction on."""
+    procs = shlex.quote(os.path.join(cgroup_dir, "cgroup.procs"))
+
+    def wrap(argv: list[str]) -> list[str]:
+        return ["/bin/sh", "-c", f'echo $$ > {procs} && exec "$@"', "bladed-cgroup-launcher", *argv]
+
+    return wrap
+
+
+__all__ = ["PrivateDaemon", "SpawnError", "cgroup_launcher"]

@@ -64,7 +64,7 @@ def test_the_harness_is_its_own_distribution_and_needs_the_bench_extra(staged: p
     whl = _build_wheel(staged / "bench", tmp_path)
     names = whl.namelist()
     modules = {n for n in names if n.endswith(".py")}
-    assert {f"{HARNESS}/{m}.py" for m in ("main", "workload", "baseline", "sweep", "report")} <= modules
+    assert {f"{HARNESS}/{m}.py" for m in ("main", "workload", "e2e", "sweep", "report")} <= modules
     assert not [n for n in modules if not n.startswith(f"{HARNESS}/")], modules
     meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Name: bladed-bench" in meta and "Requires-Dist: bladed[bench]" in meta

@@ -3,8 +3,10 @@
 The ``bladed-bench`` distribution (``bench/`` of the source checkout), not part of the ``bladed`` package:
 it imports bladed, never the reverse (docs/benchmarks.md, "The harness").
 
-* :mod:`bladed_bench.workload` - the FlexLLMGen-pattern KV workload driver and its targets
-* :mod:`bladed_bench.baseline` - the Baseline: a FlexLLMGen ``TorchDisk``-style mmap path
+* :mod:`bladed_bench.workload` - the FlexLLMGen-pattern KV workload driver and its targets (the Baseline:
+  :mod:`bladed.torchdisk`, FlexLLMGen's ``TorchDisk`` mmap path, which ``bladed-runner --backend mmap`` runs too)
+* :mod:`bladed_bench.e2e` - real inference under memory limits: ``bladed-runner`` with every KV backend
+  (``tools/bench_e2e.py``)
 * :mod:`bladed_bench.sweep` - memory-limit sweep (cgroups, cold caches, alternation, repetition)
 * :mod:`bladed_bench.metrics`, :mod:`bladed_bench.probes` - counters, statistics, fio and reference probes
 * :mod:`bladed_bench.report` - JSON to Markdown tables and matplotlib figures

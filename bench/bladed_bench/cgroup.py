@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shlex
 import subprocess
 import time
 import uuid
 from typing import Any
 
 from bladed.residency.cgroups import locate_memory_cgroup
+from bladed.spawn import cgroup_launcher
 
 V1_UNLIMITED = 9223372036854771712
 
@@ -99,6 +99,15 @@ class MemCgroup:
         total = s.get("cache", s.get("file", 0))
         return max(0, total - s.get("shmem", 0))
 
+    def peak(self) -> int | None:
+        """The most memory charged here since the cgroup was made (v1 ``memory.max_usage_in_bytes``, v2
+        ``memory.peak``, kernel 5.19+); None where the kernel does not say."""
+        name = "memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak"
+        try:
+            return int(_read(os.path.join(self.path, name)))
+        except (OSError, ValueError):
+            return None
+
     def failcnt(self) -> int | None:
         if self.version != "v1":
             return None
@@ -126,8 +135,7 @@ class MemCgroup:
 
     def launcher(self, argv: list[str]) -> list[str]:
         """``argv`` wrapped so the process joins this cgroup before it ``exec``s."""
-        procs = shlex.quote(os.path.join(self.path, "cgroup.procs"))
-        return ["/bin/sh", "-c", f'echo $$ > {procs} && exec "$@"', "bladed-bench-cg", *argv]
+        return cgroup_launcher(self.path)(argv)
 
     def remove(self, timeout: float = 30.0) -> None:
         """Move leftover processes to the parent and remove the cgroup."""

@@ -1,6 +1,6 @@
 """Where the harness and the source checkout are, and the environment of the processes it starts.
 
-A leaf: the driver (:mod:`bladed_bench.workload`) and the Baseline (:mod:`bladed_bench.baseline`) both
+A leaf: the driver (:mod:`bladed_bench.workload`) and the Baseline (:mod:`bladed.torchdisk`) both
 start children that must import the same ``bladed`` and ``bladed_bench`` as the harness itself.
 """
 

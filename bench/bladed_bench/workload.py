@@ -27,7 +27,7 @@ that reads are checked to return what was written (a few rows per read).
 
 Targets: :class:`BladedTarget` (a real bladed daemon started for the run,
 driven through :mod:`bladed.client`) and :class:`TorchDiskTarget` (the
-Baseline of :mod:`bladed_bench.baseline`).
+Baseline: FlexLLMGen's TorchDisk, :mod:`bladed.torchdisk`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import numpy as np
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadJob
 from bladed.residency.geometry import Geometry
 from bladed.spawn import PrivateDaemon
-from bladed_bench.baseline import OP_READ, OP_WRITE, TorchDiskClient
+from bladed.torchdisk import OP_READ, OP_WRITE, TorchDiskClient
 from bladed_bench.metrics import DiskStat, cpu_seconds, rss_bytes
 from bladed_bench.repo import REPO, repo_env
 
@@ -288,14 +288,15 @@ class BladedTarget:
 # -- the Baseline ---------------------------------------------------------------------------
 
 class TorchDiskTarget:
-    """FlexLLMGen's TorchDisk path in a child process (see :mod:`bladed_bench.baseline`)."""
+    """FlexLLMGen's TorchDisk path in a child process (see :mod:`bladed.torchdisk`)."""
 
     config = "baseline"
 
     def __init__(self, spec: WorkloadSpec, state_dir: str,
                  launcher: Callable[[list[str]], list[str]] | None = None) -> None:
         self.channels = spec.channels
-        self.client = TorchDiskClient(os.path.join(state_dir, "torchdisk"), spec.geometry(), spec.channels, launcher)
+        self.client = TorchDiskClient(launcher, env=repo_env()).open(os.path.join(state_dir, "torchdisk"),
+                                                                     spec.shape, spec.channels)
 
     def slot(self, ch: int) -> memoryview:
         return self.client.slot(ch)

@@ -24,6 +24,7 @@ the KV the run wrote (the prompt and every generated token fed back) as a retain
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -112,6 +113,8 @@ class GenerationResult:
     open_latency: float = 0.0
     #: per KV backend, what ``retain_prefix`` kept (the backend's reply), in GPU batch order
     retained: list[dict[str, Any]] = field(default_factory=list)
+    #: per step (the prefill first): where its time went (:class:`StepTimes`, :data:`STEP_FIELDS`)
+    step_times: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def gen_len(self) -> int:
@@ -139,6 +142,37 @@ class GenerationResult:
             "total_latency_s": self.total_latency,
             "total_throughput_tok_s": b * self.gen_len / self.total_latency if self.total_latency else 0.0,
         }
+
+
+#: what :class:`StepTimes` adds up per step: seconds of the compute thread (``compute_s``: the layers and the
+#: head; ``load_wait_s``: waiting for a layer's KV) and busy seconds of the copy threads (``read_s``: the KV
+#: backend's reads into the staging slots; ``dma_s``: slot to device, decoded; ``write_s``: into the slot,
+#: encoded, then the backend's write), with the bytes read and written
+STEP_FIELDS = ("wall_s", "compute_s", "load_wait_s", "read_s", "dma_s", "write_s", "read_bytes", "write_bytes")
+
+
+class StepTimes:
+    """Where each generation step's time went (:data:`STEP_FIELDS`), added to by the compute thread and the
+    copy threads. A copy thread's work counts for the step that issued it (a write left in flight at a step's
+    end counts for that step). On CUDA ``compute_s`` and ``dma_s`` are host seconds: the kernels and copies
+    run asynchronously, ``load_wait_s`` and the step's wall time include what the host waited for."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        with self._lock:
+            self.steps.append(dict.fromkeys(STEP_FIELDS, 0.0))
+
+    def add(self, step: int, field: str, value: float) -> None:
+        with self._lock:
+            self.steps[step][field] += value
+
+    def as_list(self) -> list[dict[str, float]]:
+        with self._lock:
+            return [{"step": i, **{k: round(v, 6) if k.endswith("_s") else int(v) for k, v in rec.items()}}
+                    for i, rec in enumerate(self.steps)]
 
 
 class Runner:
@@ -204,10 +238,10 @@ class Runner:
                         if self.policy.overlap:
                             gen.prefetch_cache(layer, gpu_batch)
                         hidden = gen.load_hidden(gpu_batch)
-                        hidden, new_kv, full_kv = gen.compute_layer(weights, hidden, past)
+                        hidden, new_kv, full_kv = gen.timed_compute(weights, hidden, past)
                         gen.store_hidden(gpu_batch, hidden)
                         gen.store_cache(layer, gpu_batch, new_kv, full_kv)
-                tokens = gen.sample_tokens()
+                tokens = gen.timed(gen.sample_tokens)
                 step_seconds = gen.sync()
                 if on_step is not None:
                     on_step(step + 1, step_seconds)
@@ -275,6 +309,7 @@ class _Generation:
         self.writes: list[Future[Any]] = []
         self.resident_kv: dict[tuple[int, int], KVPair] = {}  # (layer, GPU batch) -> KV on the device or host
         self.load_wait_s = 0.0
+        self.times = StepTimes()
         self.open_latency = 0.0
         self.start = 0                    # the prefill's first position: tokens before it came from a prefix
         self.retained: list[dict[str, Any]] = []
@@ -343,6 +378,7 @@ class _Generation:
             torch.cuda.synchronize(self.device)
         self.step_started = time.perf_counter()
         self.pipeline.begin_iteration(step)
+        self.times.begin()
         self.step = step
         self.position = self.start if step == 0 else self.prompt_len + step - 1
         #: the tokens this step computes per sequence (the prefill's from ``start``, then one)
@@ -372,7 +408,9 @@ class _Generation:
         handle = self.prefetched.pop((layer, gpu_batch), None) or self._submit_load(layer, gpu_batch)
         wait_started = time.perf_counter()
         keys, values = handle.result()
-        self.load_wait_s += time.perf_counter() - wait_started
+        waited = time.perf_counter() - wait_started
+        self.load_wait_s += waited
+        self.times.add(self.step, "load_wait_s", waited)
         return keys, values
 
     def prefetch_cache(self, layer: int, gpu_batch: int) -> None:
@@ -391,6 +429,20 @@ class _Generation:
         """The GPU batch's hidden states on the compute device (copied back when activations are offloaded)."""
         hidden = self.hidden[gpu_batch]
         return hidden.to(self.device, non_blocking=True) if self.runner.offload_activations else hidden
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the compute thread, its seconds counted as the step's compute."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.times.add(self.step, "compute_s", time.perf_counter() - started)
+
+    def timed_compute(self, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                      past: KVPair | None) -> tuple[torch.Tensor, KVPair, KVPair]:
+        """:meth:`compute_layer`, timed as the step's compute."""
+        out: tuple[torch.Tensor, KVPair, KVPair] = self.timed(self.compute_layer, weights, hidden, past)
+        return out
 
     def compute_layer(self, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
                       past: KVPair | None) -> tuple[torch.Tensor, KVPair, KVPair]:
@@ -446,6 +498,7 @@ class _Generation:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.step_latencies.append(time.perf_counter() - self.step_started)
+        self.times.add(self.step, "wall_s", self.step_latencies[-1])
         return self.step_latencies[-1]
 
     def all_finished(self, tokens: torch.Tensor, eos_token_id: int | None) -> bool:
@@ -462,7 +515,9 @@ class _Generation:
         self.copy_threads.drain()
         for write in self.writes:
             write.result()
-        self.step_latencies[-1] += time.perf_counter() - wait_started
+        waited = time.perf_counter() - wait_started
+        self.step_latencies[-1] += waited
+        self.times.add(self.step, "wall_s", waited)
 
     def retain_kv(self) -> None:
         """Keep each backend's KV as a retained prefix: its sequence's prompt and the generated tokens fed back
@@ -486,7 +541,7 @@ class _Generation:
             pipeline=self.pipeline.report(), tiers=list(self.tiers),
             plans=[dict(getattr(backend, "plan", {}) or {}) for backend in self.backends],
             load_wait_s=self.load_wait_s, prefix_tokens=self.start, open_latency=self.open_latency,
-            retained=self.retained,
+            retained=self.retained, step_times=self.times.as_list(),
         )
 
     # -- the copy threads' jobs ------------------------------------------
@@ -500,48 +555,58 @@ class _Generation:
         ntokens = self.position
         kinds: tuple[Kind, Kind] = ("k", "v")
         room = self.step_tokens
-        jobs = [LoadJob(read=partial(self._read_kv, backend, backend_layer, kind, ntokens),
-                        dma=partial(self._copy_to_device, slots, self.channel[kind], ntokens, room, backend_layer,
-                                    kind),
+        step = self.step
+        jobs = [LoadJob(read=partial(self._read_kv, step, backend, backend_layer, kind, ntokens),
+                        dma=partial(self._copy_to_device, step, slots, self.channel[kind], ntokens, room,
+                                    backend_layer, kind),
                         nbytes=ntokens * backend.geometry.token_bytes) for kind in kinds]
         return self.pipeline.load(jobs, backend.group(backend_layer, "k"))
 
-    def _read_kv(self, backend: KVBackend, backend_layer: int, kind: Kind, ntokens: int) -> Any:
+    def _read_kv(self, step: int, backend: KVBackend, backend_layer: int, kind: Kind, ntokens: int) -> Any:
         """Copy thread: read tokens ``[0, ntokens)`` of a K or V into the thread's staging slot."""
+        started = time.perf_counter()
         op = backend.read(backend_layer, kind, self.channel[kind], 0, ntokens)
+        self.times.add(step, "read_s", time.perf_counter() - started)
+        self.times.add(step, "read_bytes", getattr(op, "nbytes", 0))
         self.stats.add(op, True)
         return op
 
-    def _copy_to_device(self, slots: SlotTensors, channel: int, ntokens: int, room: int, backend_layer: int,
-                        kind: Kind) -> torch.Tensor:
+    def _copy_to_device(self, step: int, slots: SlotTensors, channel: int, ntokens: int, room: int,
+                        backend_layer: int, kind: Kind) -> torch.Tensor:
         """Copy thread: DMA the staging slot's first ``ntokens`` tokens to the device, heads-first (decoded there
         from the KV format's rows; the newest ``kv_tail`` of them from the full-precision copy), into a tensor
         with ``room`` for the step's new tokens (``compute_layer`` writes them there)."""
         # reads host memory only (and the tail's copy, written on this thread's stream): no wait for the
         # compute stream, so it overlaps the layer computing now
-        return self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda,
-                                               layer=backend_layer, kind=kind, room=room), independent=True)
+        started = time.perf_counter()
+        out = self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda,
+                                              layer=backend_layer, kind=kind, room=room), independent=True)
+        self.times.add(step, "dma_s", time.perf_counter() - started)
+        return out
 
     def _submit_write(self, layer: int, gpu_batch: int, kind: Kind, new: torch.Tensor) -> None:
         """Queue the write of ``new`` (this step's tokens of a K or V, at ``position``) on its copy thread."""
         channel = self.channel[kind]
         # CUDA: ``new`` is computed on this thread's stream; the copy thread's stream waits for that work
-        job = partial(self._write_kv, self.backends[gpu_batch], self.slots[gpu_batch], self.backend_layer[layer],
-                      kind, self.position, new, self.dma.produced())
+        job = partial(self._write_kv, self.step, self.backends[gpu_batch], self.slots[gpu_batch],
+                      self.backend_layer[layer], kind, self.position, new, self.dma.produced())
         write = self.copy_threads.submit(channel, job)
         if not self.policy.overlap:
             write.result()
         self.writes.append(write)
 
-    def _write_kv(self, backend: KVBackend, slots: SlotTensors, backend_layer: int, kind: Kind, token_start: int,
-                  new: torch.Tensor, produced: Any = None) -> Any:
+    def _write_kv(self, step: int, backend: KVBackend, slots: SlotTensors, backend_layer: int, kind: Kind,
+                  token_start: int, new: torch.Tensor, produced: Any = None) -> Any:
         """Copy thread: copy ``new`` into the staging slot at ``token_start`` (encoded in the KV format, on
         ``new``'s device; on CUDA once the compute stream has ``produced`` it), then write those tokens."""
         channel = self.channel[kind]
+        started = time.perf_counter()
         self.dma.run(lambda: slots.put(channel, token_start, new, layer=backend_layer, kind=kind), after=produced)
         op = backend.write(backend_layer, kind, channel, token_start, new.shape[2])
+        self.times.add(step, "write_s", time.perf_counter() - started)
+        self.times.add(step, "write_bytes", getattr(op, "nbytes", 0))
         self.stats.add(op, False)
         return op
 
 
-__all__ = ["GenerationResult", "KVFactory", "Policy", "Runner"]
+__all__ = ["STEP_FIELDS", "GenerationResult", "KVFactory", "Policy", "Runner", "StepTimes"]

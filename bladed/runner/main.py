@@ -32,7 +32,8 @@ from bladed.runner.generation import GenerationResult, Policy, Runner
 from bladed.runner.models import gib, kv_bytes
 from bladed.runner.progress import Progress
 from bladed.runner.weights import MODEL_CHOICES, SMOLLM2, load_model, model_kind, smollm2_gguf
-from bladed.spawn import PrivateDaemon, SpawnError
+from bladed.spawn import PrivateDaemon, SpawnError, cgroup_launcher
+from bladed.torchdisk import IO_FIELDS, TorchDiskError, read_proc_io
 
 PROG = "bladed-runner"
 DTYPES = ("bfloat16", "float16", "float32")
@@ -45,6 +46,8 @@ DEFAULT_STATE_DIR = os.path.join("var", "runner")
 DAEMON_LOG = "bladed-runner-daemon.log"
 #: the three (gpu, cpu) pairs of --percent, in order
 PERCENT_PAIRS = ("weights", "cache", "activations")
+#: --backend: where the offloaded KV goes
+BACKENDS = ("bladed", "memory", "mmap")
 
 EXIT_USAGE = 2
 EXIT_NO_DAEMON = 3
@@ -169,8 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copy threads, one staging slot each in every KV session (K on thread 0, V on thread 1)")
     p.add_argument("--mode", type=mode_name, default="dualblade", metavar="{" + ",".join(MODES) + "}",
                    help="bladed residency mode of the KV sessions (or the paper's label: Dual-Blade, Baseline, ...)")
-    p.add_argument("--backend", choices=("bladed", "memory"), default="bladed",
-                   help="where offloaded KV goes: bladed (the daemon) or memory (in this process, the reference)")
+    p.add_argument("--backend", choices=BACKENDS, default="bladed",
+                   help="where offloaded KV goes: bladed (the daemon), memory (in this process: the in-RAM ideal) or "
+                        "mmap (FlexLLMGen's disk offload: a .npy memmap per KPU in --kv-dir, copied by the copy "
+                        "threads of an owner process, the page cache doing the rest; the yardstick)")
+    p.add_argument("--kv-dir", default=None, metavar="DIR",
+                   help="--backend mmap: where the .npy files go, removed at the end (default: a temporary directory)")
+    p.add_argument("--kv-cgroup", default=None, metavar="DIR",
+                   help="a cgroup directory (v1 memory or v2) that the KV's owner process joins before it runs, so "
+                        "that the page cache it touches is charged there and not the model's weights: the mmap "
+                        "owner (--backend mmap) or the daemon of --spawn-daemon")
     p.add_argument("--socket", default=None,
                    help="bladed's socket (default: where bladectl finds it: $BLADED_SOCKET, /etc/bladed/bladed.toml, "
                         "./var/bladed/bladed.sock, /run/bladed/bladed.sock; docs/configuration.md)")
@@ -224,6 +235,19 @@ def check_args(a: argparse.Namespace) -> None:
     if a.kv_tail is not None and a.kv_tail < 0:
         raise UsageError(f"--kv-tail {a.kv_tail}: the full-precision tail is a number of tokens; give --kv-tail 0 "
                          "(off) or more, or leave it out for the --kv-format's own")
+    if a.kv_dir is not None and a.backend != "mmap":
+        raise UsageError(f"--kv-dir: the .npy files are --backend mmap's, the backend is {a.backend}; give "
+                         "--backend mmap or drop --kv-dir")
+    if a.kv_cgroup is not None:
+        if a.backend == "memory" or (a.backend == "bladed" and not a.spawn_daemon):
+            owner = "the KV is in this process" if a.backend == "memory" else "the daemon at --socket is not " \
+                    "started by this run"
+            raise UsageError(f"--kv-cgroup: {owner}; give --backend mmap or --spawn-daemon, or drop --kv-cgroup")
+        procs = os.path.join(a.kv_cgroup, "cgroup.procs")
+        if not os.path.isfile(procs) or not os.access(procs, os.W_OK):
+            why = "not a cgroup directory" if not os.path.isfile(procs) else f"not writable by uid {os.getuid()}"
+            raise UsageError(f"--kv-cgroup {a.kv_cgroup}: {procs} is {why}; give a cgroup directory this user may "
+                             "move processes into (e.g. one made with mkdir under /sys/fs/cgroup/memory/ as root)")
     try:
         model_kind(a.model)
     except ValueError as e:
@@ -294,22 +318,27 @@ def daemon_log(state_dir: str) -> str:
 
 
 @contextlib.contextmanager
-def spawned_daemon(state_dir: str, timeout: float = 60.0) -> Iterator[str]:
+def spawned_daemon(state_dir: str, timeout: float = 60.0, *, cgroup: str | None = None,
+                   started: Callable[[PrivateDaemon], None] | None = None) -> Iterator[str]:
     """Run ``python -m bladed.server --state-dir DIR`` for the duration (:class:`bladed.spawn.PrivateDaemon`);
     yields its socket path.
 
     A daemon that exits before its ``READY=1`` raises SpawnError with the last line of its log. It runs in
     a process group of its own: a terminal's Ctrl-C reaches the runner alone, which closes its sessions
-    before it stops the daemon (SIGTERM, SIGKILL after 30 s).
+    before it stops the daemon (SIGTERM, SIGKILL after 30 s). ``cgroup``: a cgroup directory it joins before
+    it runs. ``started``: called with the daemon once it is ready.
     """
     os.makedirs(state_dir, exist_ok=True)
     from bladed.config import load_config
 
     sock = load_config(None, state_dir=os.path.abspath(state_dir)).socket_path  # the embedded default's
     daemon = PrivateDaemon(["--state-dir", state_dir], log_path=daemon_log(state_dir), own_group=True,
-                           name="the bladed started for --spawn-daemon")
+                           name="the bladed started for --spawn-daemon",
+                           wrap=cgroup_launcher(cgroup) if cgroup else None)
     try:
         daemon.start().wait_ready(timeout)
+        if started is not None:
+            started(daemon)
         yield sock
     finally:
         daemon.stop(30)
@@ -369,6 +398,68 @@ class _KVFactory:
         return kv
 
 
+class _KVOwners:
+    """The processes that own the run's KV (bladed's daemon, or the mmap backend's owners) and what they made the
+    disk do from the moment this run found them (``/proc/<pid>/io``; None where this user may not read it)."""
+
+    def __init__(self) -> None:
+        self._owners: list[tuple[str, int, dict[str, int] | None, Callable[[], dict[str, Any]] | None]] = []
+
+    def watch(self, what: str, pid: int) -> None:
+        """A process this run does not start (the daemon): its counters are read now and at :meth:`report`."""
+        self._owners.append((what, pid, read_proc_io(pid), None))
+
+    def add(self, what: str, info: Callable[[], dict[str, Any]]) -> None:
+        """An owner that reports itself (``info()``: its ``pid`` and ``io`` since it was ready)."""
+        self._owners.append((what, 0, None, info))
+
+    def report(self) -> list[dict[str, Any]]:
+        out = []
+        for what, pid, start, info in self._owners:
+            if info is not None:
+                out.append({"what": what, **info()})
+                continue
+            now = read_proc_io(pid)
+            io = None if start is None or now is None else {k: now[k] - start.get(k, 0) for k in IO_FIELDS
+                                                            if k in now}
+            out.append({"what": what, "pid": pid, "io": io})
+        return out
+
+
+class _MmapFactory:
+    """Opens the runner's ``--backend mmap`` backends (FlexLLMGen's TorchDisk): one owner process per GPU batch,
+    all started at once (before the model loads), so that their start-up is not in the time to first token."""
+
+    def __init__(self, a: argparse.Namespace, owners: _KVOwners, stack: contextlib.ExitStack) -> None:
+        from bladed.runner.mmapkv import start_owner
+
+        self.a, self.owners = a, owners
+        self.waiting = []
+        for _ in range(a.num_gpu_batches):
+            owner = start_owner(a.kv_cgroup)
+            stack.callback(owner.close)          # one never opened (the run failed first) exits with it
+            self.waiting.append(owner)
+        self.opened = 0
+
+    def wait_started(self) -> None:
+        """Wait until every owner process has started (before the run's clock starts)."""
+        for owner in self.waiting:
+            owner.wait_started()
+
+    def __call__(self, g: Geometry) -> KVBackend:
+        from bladed.runner.mmapkv import MmapKV
+
+        a = self.a
+        directory = None
+        if a.kv_dir is not None:                 # one subdirectory per backend (GPU batch)
+            directory = os.path.join(a.kv_dir, f"batch-{self.opened}")
+        owner = self.waiting.pop(0) if self.waiting else None
+        self.opened += 1
+        kv = MmapKV(g, channels=max(2, a.copy_threads), directory=directory, owner=owner, cgroup=a.kv_cgroup)
+        self.owners.add("torchdisk", kv.owner_info)
+        return kv
+
+
 class _Meter:
     """The engine's per-step callback as progress: the prefill once, then decode tokens/s as it goes."""
 
@@ -423,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(a, progress, EXIT_NO_DAEMON, f"error: {msg}")
     except BladedError as e:
         return _fail(a, progress, EXIT_FAILED, f"error: bladed refused or failed a request: {e}")
-    except (SpawnError, OSError) as e:
+    except (SpawnError, TorchDiskError, OSError) as e:
         return _fail(a, progress, EXIT_FAILED, f"error: {e}")
     finally:
         progress.close()
@@ -493,9 +584,12 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     with contextlib.ExitStack() as stack:
         factory: Any
         bladed_factory: _KVFactory | None = None
+        owners = _KVOwners()
         if a.backend == "memory":
             def factory(g: Geometry) -> KVBackend:
                 return MemoryKV(g, channels=max(2, a.copy_threads))
+        elif a.backend == "mmap":
+            factory = _MmapFactory(a, owners, stack)
         else:
             if a.spawn_daemon:
                 state.spawned_log = daemon_log(a.state_dir or DEFAULT_STATE_DIR)
@@ -504,13 +598,16 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
             from bladed.config import find_socket
 
             if a.spawn_daemon:
-                where: Any = stack.enter_context(spawned_daemon(a.state_dir or os.path.join("var", "runner")))
+                where: Any = stack.enter_context(spawned_daemon(a.state_dir or os.path.join("var", "runner"),
+                                                                cgroup=a.kv_cgroup))
             else:
                 where = find_socket(a.socket, given_as="--socket")
             client = bclient.Client(socket_path=where)
             stack.callback(client.close)
             state.client = client
             server = client.server
+            if isinstance(server.get("pid"), int):
+                owners.watch("bladed", server["pid"])
             progress.note(f"bladed: {server.get('server', '?')} (pid {server.get('pid', '?')}) at "
                           f"{client.socket_path}" + (f", log {state.spawned_log}" if state.spawned_log else ""))
             most = server.get("max_channels")
@@ -535,6 +632,8 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
         stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
         eos = cfg.eos_token_id if stop else None
         runner = Runner(lm.model, pol, kv_factory=factory, device=device)
+        if isinstance(factory, _MmapFactory):
+            factory.wait_started()
         dtype_name = str(dtype).removeprefix("torch.")
 
         def generate(ids: torch.Tensor) -> GenerationResult:
@@ -576,7 +675,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
             torch.cuda.reset_peak_memory_stats()
         if a.chat_messages is not None:
             return _chat(a, progress, generate, template, a.chat_messages, lm.tokenizer, eos, info,
-                         {"policy": pol.percent})
+                         {"policy": pol.percent}, owners)
         if lm.tokenizer is not None and a.prompt_len is None:
             ids = template([{"role": "user", "content": a.prompt if a.prompt is not None else DEFAULT_PROMPT}])
             ids = ids.repeat(batch, 1)
@@ -587,6 +686,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
         prompt_len = int(ids.shape[1])
         res = generate(ids)
         progress.clear()
+        info["kv_owner"] = owners.report()   # the sessions are closed: all the KV's I/O is counted
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     db = lm.model.weights[next(iter(lm.model.weights))].element_size()
     info["tiers"] = _tiers(res.tiers)
@@ -600,9 +700,11 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     hidden_b = batch * prompt_len * cfg.hidden_size * db
     if a.json:
         out = {"info": info, "policy": pol.percent, "prompt_len": prompt_len, "gen_len": res.gen_len,
+               "kv_bytes": cache_b, "weight_bytes": cfg.weight_bytes(db),
                "gen_len_limit": a.gen_len, "stop_reason": stop_reason, "batch": batch, **res.throughputs(),
                "prefix_tokens": res.prefix_tokens, "retained": res.retained[0] if res.retained else None,
-               "load_wait_s": res.load_wait_s, "stats": res.stats, "pipeline": res.pipeline, "plans": res.plans,
+               "load_wait_s": res.load_wait_s, "steps": res.step_times, "stats": res.stats,
+               "pipeline": res.pipeline, "plans": res.plans,
                "text": text, "tokens": res.tokens.tolist()}
         print(json.dumps(out))
     else:
@@ -637,7 +739,7 @@ def _prefix_line(res: GenerationResult) -> str:
 
 def _chat(a: argparse.Namespace, progress: Progress, generate: Callable[[torch.Tensor], GenerationResult],
           template: Callable[[list[dict[str, str]]], torch.Tensor], messages: list[str], tokenizer: Any,
-          eos: int | None, info: dict[str, Any], extra: dict[str, Any]) -> int:
+          eos: int | None, info: dict[str, Any], extra: dict[str, Any], owners: _KVOwners) -> int:
     """--chat: one request per user message, each with the whole conversation so far as its prompt; prints each
     reply and its turn's line (prompt tokens, those from a retained prefix, time to first token)."""
     turns: list[dict[str, Any]] = []
@@ -669,6 +771,7 @@ def _chat(a: argparse.Namespace, progress: Progress, generate: Callable[[torch.T
             if a.reuse_prefix:
                 print(_prefix_line(res), flush=True)
     info["tiers"] = _tiers(res.tiers)
+    info["kv_owner"] = owners.report()
     ttfts = [turn["ttft_s"] for turn in turns]
     if a.json:
         print(json.dumps({"info": info, **extra, "gen_len_limit": a.gen_len, "ttft_s": ttfts, "turns": turns}))
