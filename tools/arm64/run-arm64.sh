@@ -111,6 +111,8 @@ SUITES=(
     tests/test_datapath.py tests/test_lane.py tests/test_logs.py tests/test_bladectl.py
     # client (less its two torch tests), prefix store
     tests/test_client.py tests/test_prefix.py
+    # the KV formats' C codec (q8 / q4 rows against a numpy reference; its arm64 build of the loops)
+    tests/test_kvformat_codec_numpy.py
     # reliability
     tests/test_faults.py tests/test_integrity.py tests/test_isolation.py tests/test_soak.py
     tests/test_stateful_daemon.py tests/test_replan_live.py tests/test_demotion_isolation.py
