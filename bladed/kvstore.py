@@ -463,8 +463,8 @@ class BladedKV:
 
 
 def _with_room(x: torch.Tensor, room: int) -> torch.Tensor:
-    """Tokens-first ``x`` followed by ``room`` uninitialised tokens (a copy when ``room``; the decoders of the
-    quantized formats and the plain formats' conversions allocate their own output)."""
+    """Tokens-first ``x`` followed by ``room`` uninitialised tokens (a copy when ``room``; the plain formats'
+    conversions allocate their own output, the quantized formats decode into one with room)."""
     if not room:
         return x
     out = torch.empty((x.shape[0] + room, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -591,10 +591,9 @@ class SlotTensors:
             dev = torch.empty(rows.shape, dtype=torch.uint8, device=device)
             dev.copy_(rows, non_blocking=non_blocking)
             rows = dev
-        x = fmt.decode(rows, self.dtype, (g.batch, g.kv_heads, g.head_dim))
-        if x.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
-            x = x.clone()                        # never hand out the slot's memory: the next read reuses it
-        x = _with_room(x, room)
+        # decoded straight into a new tensor with the room after it (on the CPU the C codec reads the slot's rows)
+        x = torch.empty((ntokens + room, g.batch, g.kv_heads, g.head_dim), dtype=self.dtype, device=device)
+        fmt.decode(rows, out=x[:ntokens])
         if ring is not None:
             self._apply_tail(ring, x, token_start, ntokens)
         return x.permute(1, 2, 0, 3)
