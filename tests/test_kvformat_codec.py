@@ -194,6 +194,15 @@ def test_decode_into_views_with_room(name: str, codec: str) -> None:
     assert torch.equal(f.decode(rows[:0], out=tokens_first[:0], codec=codec), tokens_first[:0])
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp32"])
+def test_plain_formats_decode_into_out_too(name: str) -> None:
+    f = kv_format(name)
+    rows = f.encode(torch.randn(4, 3, 64))
+    room = torch.full((6, 3, 64), 2.0)
+    assert f.decode(rows, out=room[:4]).data_ptr() == room.data_ptr()
+    assert torch.equal(room[:4], f.decode(rows, torch.float32, (3, 64))) and (room[4:] == 2).all()
+
+
 @pytest.mark.parametrize("bad,part", [
     (lambda: torch.zeros(6, 2, 3, 64, dtype=torch.float32), "float16"),        # dtype given as float16
     (lambda: torch.zeros(5, 2, 3, 64, dtype=torch.float16), "[5, 2, 3, 64]"),   # tokens
