@@ -462,16 +462,6 @@ class BladedKV:
                 self._client = None
 
 
-def _with_room(x: torch.Tensor, room: int) -> torch.Tensor:
-    """Tokens-first ``x`` followed by ``room`` uninitialised tokens (a copy when ``room``; the plain formats'
-    conversions allocate their own output, the quantized formats decode into one with room)."""
-    if not room:
-        return x
-    out = torch.empty((x.shape[0] + room, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    out[:x.shape[0]].copy_(x)
-    return out
-
-
 class SlotTensors:
     """Torch views over a backend's staging slots, and the K/V tensors they hold.
 
@@ -560,7 +550,7 @@ class SlotTensors:
 
     def take(self, ch: int, ntokens: int, device: torch.device | str = "cpu",
              non_blocking: bool = False, token_start: int = 0, *, layer: int | None = None,
-             kind: str | None = None, room: int = 0) -> torch.Tensor:
+             kind: str | None = None, room: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """The K/V of the slot's tokens ``[token_start, token_start + ntokens)`` on ``device``, heads-first
         ``[batch, kv_heads, n, head_dim]`` of ``dtype`` (decoded from the format's rows if there is one).
 
@@ -569,30 +559,37 @@ class SlotTensors:
 
         ``room``: the tensor has ``room`` more tokens after them, uninitialised (``[batch, kv_heads, n + room,
         head_dim]``), for the caller to write the step's new tokens into instead of concatenating (a copy of
-        the whole past per layer and step)."""
+        the whole past per layer and step).
+
+        ``out``: a tokens-first ``[>= n + room, batch, kv_heads, head_dim]`` tensor of ``dtype`` on ``device``
+        to put them in (a view of it is returned), instead of a new one: a caller that reuses its buffers
+        spares the allocator fresh pages, which the kernel faults in and zeroes (on the CPU, a SmolLM2 decode
+        step's loads are 0.5 GiB of them)."""
         g, fmt = self.geometry, self.format
         end = token_start + ntokens
         ring = self._rings.get((layer, str(kind))) if self._ring_len and layer is not None else None
+        if out is not None:
+            want = (g.batch, g.kv_heads, g.head_dim)
+            if out.dtype != self.dtype or tuple(out.shape[1:]) != want or out.shape[0] < ntokens + room:
+                raise ValueError(f"out is {out.dtype} {tuple(out.shape)}, need {self.dtype} of at least "
+                                 f"{(ntokens + room, *want)} (tokens first)")
+            dst = out[:ntokens + room]
+        else:
+            dst = torch.empty((ntokens + room, g.batch, g.kv_heads, g.head_dim), dtype=self.dtype, device=device)
         if self.view_dtype is not None:
-            src = self.views[ch][token_start:end]
-            if self.view_dtype == self.dtype:
-                dst = torch.empty((ntokens + room, *src.shape[1:]), dtype=self.dtype, device=device)
-                dst[:ntokens].copy_(src, non_blocking=non_blocking)
-            else:                                # a plain format of other elements: back to the caller's dtype
-                dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-                dst.copy_(src, non_blocking=non_blocking)
-                dst = _with_room(dst.to(self.dtype), room)
+            # one copy; a plain format of other elements converts in it, back to the caller's dtype
+            dst[:ntokens].copy_(self.views[ch][token_start:end], non_blocking=non_blocking)
             if ring is not None:
                 self._apply_tail(ring, dst, token_start, ntokens)
             return dst.permute(1, 2, 0, 3)
         assert fmt is not None
         rows = self.rows[ch][token_start:end]
-        if torch.device(device).type != "cpu":   # copy the rows (fewer bytes), dequantize on the device
-            dev = torch.empty(rows.shape, dtype=torch.uint8, device=device)
+        if dst.device.type != "cpu":             # copy the rows (fewer bytes), dequantize on the device
+            dev = torch.empty(rows.shape, dtype=torch.uint8, device=dst.device)
             dev.copy_(rows, non_blocking=non_blocking)
             rows = dev
-        # decoded straight into a new tensor with the room after it (on the CPU the C codec reads the slot's rows)
-        x = torch.empty((ntokens + room, g.batch, g.kv_heads, g.head_dim), dtype=self.dtype, device=device)
+        # decoded straight into the tensor with the room after it (on the CPU the C codec reads the slot's rows)
+        x = dst
         fmt.decode(rows, out=x[:ntokens])
         if ring is not None:
             self._apply_tail(ring, x, token_start, ntokens)

@@ -38,7 +38,7 @@ def _fractions(text: str) -> list[float]:
         out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
-    if not out or any(not 0 < x for x in out):
+    if not out or any(x <= 0 for x in out):
         raise argparse.ArgumentTypeError(f"give positive fractions of the KV set, e.g. 0.25,0.5,1,1.25 (got {text!r})")
     return out
 
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, what in (("--model", "the runner's --model"), ("--device", "cpu or cuda"),
                        ("--dtype", "float32, float16 or bfloat16")):
         r.add_argument(flag, default=None, help=f"{what}, instead of the workload's")
-    for flag in ("--batch", "--prompt-len", "--gen-len"):
+    for flag in ("--batch", "--prompt-len", "--gen-len", "--prefetch"):
         r.add_argument(flag, type=int, default=None, help="instead of the workload's")
     r.add_argument("--sides", type=_sides, default=list(SIDES),
                    help=f"comma-separated (default: {','.join(SIDES)}); a side may carry a KV format (dualblade-q4)")
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     w = WORKLOADS[a.workload]
     over = {k: v for k, v in (("model", a.model), ("device", a.device), ("dtype", a.dtype), ("batch", a.batch),
-                              ("prompt_len", a.prompt_len), ("gen_len", a.gen_len)) if v is not None}
+                              ("prompt_len", a.prompt_len), ("gen_len", a.gen_len), ("prefetch", a.prefetch))
+            if v is not None}
     w = dataclasses.replace(w, **over)
     if a.reps < 1:
         print("tools/bench_e2e.py: error: --reps must be at least 1", file=sys.stderr)

@@ -59,6 +59,9 @@ class Policy:
     encode the K/V into the staging slot and decode it back on the compute device; the KV kept
     on the device or in host memory is not affected.
 
+    ``prefetch``: with ``overlap``, how many offloaded (layer, GPU batch) loads run ahead of the one computing
+    (FlexLLMGen: 1, the next layer's).
+
     ``kv_tail``: the newest tokens of each offloaded (layer, K/V) read back from a full-precision copy
     kept on the compute device instead of their decoded rows (``bladed.kvstore.SlotTensors``; the rows are
     written all the same). None: the format's ``full_precision_tail`` (``q4``: 128, the others 0); 0: off.
@@ -77,6 +80,7 @@ class Policy:
     copy_threads: int = 2
     kv_format: str = ""
     kv_tail: int | None = None
+    prefetch: int = 1
 
     @property
     def percent(self) -> list[float]:
@@ -241,6 +245,7 @@ class Runner:
                         hidden, new_kv, full_kv = gen.timed_compute(weights, hidden, past)
                         gen.store_hidden(gpu_batch, hidden)
                         gen.store_cache(layer, gpu_batch, new_kv, full_kv)
+                        gen.release(past)
                 tokens = gen.timed(gen.sample_tokens)
                 step_seconds = gen.sync()
                 if on_step is not None:
@@ -319,7 +324,12 @@ class _Generation:
         self.step_tokens = 0              # the tokens the step computes per sequence
         self.inputs: list[torch.Tensor] = []   # per GPU batch: the token ids the step feeds in
         self.hidden: list[torch.Tensor] = []   # per GPU batch: the hidden states between layers
-        self.prefetched: dict[tuple[int, int], LoadHandle] = {}  # at most one load issued ahead
+        self.prefetched: dict[tuple[int, int], LoadHandle] = {}  # loads issued ahead (at most policy.prefetch)
+        #: on the CPU, the tokens-first buffers that loads put K/V in, reused from layer to layer: a new tensor
+        #: per load is fresh pages the kernel faults in and zeroes (0.5 GiB a step for SmolLM2 at batch 12)
+        self._free_buffers: list[torch.Tensor] = []
+        self._lent_buffers: dict[int, torch.Tensor] = {}    # by storage address
+        self._buffers_lock = threading.Lock()
         self.step_started = 0.0
         self.step_latencies: list[float] = []
         self.out_tokens: list[torch.Tensor] = []
@@ -414,21 +424,49 @@ class _Generation:
         return keys, values
 
     def prefetch_cache(self, layer: int, gpu_batch: int) -> None:
-        """With ``overlap``: issue the load of the next offloaded (layer, GPU batch) after this one.
+        """With ``overlap``: issue the loads of the next ``prefetch`` offloaded (layer, GPU batch) pairs after
+        this one that are not issued yet.
 
-        Called once this one's KV is loaded and before it computes; one load ahead at most (none
-        while a prefetched load is still to be used), none at a prefill from token 0 (no KV to read).
+        Called once this one's KV is loaded and before it computes; none at a prefill from token 0 (no KV
+        to read). The copy threads run the loads in order, so a deeper prefetch keeps the storage busy
+        through layers whose loads are quick (page-cache layers), and holds ``prefetch`` layers' K/V more
+        in memory (each a ``[batch, kv_heads, tokens, head_dim]`` tensor on the device per K and V).
         """
-        if self.position == 0 or self.prefetched:
+        if self.position == 0:
             return
-        upcoming = next((pair for pair in self.offloaded_order if pair > (layer, gpu_batch)), None)
-        if upcoming is not None:
-            self.prefetched[upcoming] = self._submit_load(*upcoming)
+        ahead = [pair for pair in self.offloaded_order if pair > (layer, gpu_batch)][:self.policy.prefetch]
+        for pair in ahead:
+            if pair not in self.prefetched:
+                self.prefetched[pair] = self._submit_load(*pair)
 
     def load_hidden(self, gpu_batch: int) -> torch.Tensor:
         """The GPU batch's hidden states on the compute device (copied back when activations are offloaded)."""
         hidden = self.hidden[gpu_batch]
         return hidden.to(self.device, non_blocking=True) if self.runner.offload_activations else hidden
+
+    def _borrow_buffer(self, geometry: Geometry) -> torch.Tensor | None:
+        """A free load buffer (``[max_tokens, batch, kv_heads, head_dim]``), or a new one; None off the CPU (the
+        device's caching allocator reuses its memory by itself)."""
+        if self.device.type != "cpu":
+            return None
+        with self._buffers_lock:
+            buf = self._free_buffers.pop() if self._free_buffers else None
+        if buf is None:
+            g = geometry
+            buf = torch.empty((g.max_tokens, g.batch, g.kv_heads, g.head_dim), dtype=self.model.dtype)
+        with self._buffers_lock:
+            self._lent_buffers[buf.untyped_storage().data_ptr()] = buf
+        return buf
+
+    def release(self, past: KVPair | None) -> None:
+        """A layer is done with its loaded K/V: their buffers go back to the free list."""
+        if past is None or not self._lent_buffers:
+            return
+        with self._buffers_lock:
+            for t in past:
+                buf = self._lent_buffers.pop(t.untyped_storage().data_ptr(), None)
+                if buf is not None:
+                    self._free_buffers.append(buf)
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the compute thread, its seconds counted as the step's compute."""
@@ -579,8 +617,9 @@ class _Generation:
         # reads host memory only (and the tail's copy, written on this thread's stream): no wait for the
         # compute stream, so it overlaps the layer computing now
         started = time.perf_counter()
+        buf = self._borrow_buffer(slots.geometry)
         out = self.dma.run(lambda: slots.take(channel, ntokens, self.device, non_blocking=self.cuda,
-                                              layer=backend_layer, kind=kind, room=room), independent=True)
+                                              layer=backend_layer, kind=kind, room=room, out=buf), independent=True)
         self.times.add(step, "dma_s", time.perf_counter() - started)
         return out
 

@@ -46,6 +46,8 @@ DEFAULT_STATE_DIR = os.path.join("var", "runner")
 DAEMON_LOG = "bladed-runner-daemon.log"
 #: the three (gpu, cpu) pairs of --percent, in order
 PERCENT_PAIRS = ("weights", "cache", "activations")
+#: --prefetch's default
+DEFAULT_PREFETCH = 1
 #: --backend: where the offloaded KV goes
 BACKENDS = ("bladed", "memory", "mmap")
 
@@ -165,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the layers on neither goes to bladed")
     p.add_argument("--overlap", type=str2bool, nargs="?", const=True, default=True, metavar="BOOL",
                    help="overlap I/O with compute: layer-ahead prefetch and asynchronous writes")
+    p.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH, metavar="N",
+                   help="with --overlap: the KV loads issued ahead of the layer computing (FlexLLMGen: 1, the next "
+                        "layer's); deeper keeps the storage busy through layers whose KV loads quickly, for N "
+                        "layers' K/V more in memory")
     p.add_argument("--pipeline", choices=PIPELINE_MODES, default="adaptive",
                    help="copy-thread strategy: adaptive measures intra and cross in decode steps 2 and 3 and "
                         "keeps the faster per path; off: read, then copy, one after another")
@@ -217,7 +223,7 @@ def check_args(a: argparse.Namespace) -> None:
     counts = {"--gen-len": ("tokens to generate", a.gen_len), "--prompt-len": ("prompt tokens", a.prompt_len),
               "--gpu-batch-size": ("sequences per GPU batch", a.gpu_batch_size),
               "--num-gpu-batches": ("GPU batches", a.num_gpu_batches),
-              "--copy-threads": ("copy threads", a.copy_threads)}
+              "--copy-threads": ("copy threads", a.copy_threads), "--prefetch": ("loads issued ahead", a.prefetch)}
     for flag, (what, v) in counts.items():
         if v is not None and v < 1:
             raise UsageError(f"{flag} {v}: the number of {what} must be at least 1; give {flag} 1 or more")
@@ -580,7 +586,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     pol = Policy(gpu_batch_size=gbs, num_gpu_batches=nb, w_gpu_percent=a.percent[0], w_cpu_percent=a.percent[1],
                  cache_gpu_percent=a.percent[2], cache_cpu_percent=a.percent[3], act_gpu_percent=a.percent[4],
                  act_cpu_percent=a.percent[5], overlap=a.overlap, pipeline=a.pipeline,
-                 copy_threads=a.copy_threads, kv_format=a.kv_format or "", kv_tail=a.kv_tail)
+                 copy_threads=a.copy_threads, kv_format=a.kv_format or "", kv_tail=a.kv_tail, prefetch=a.prefetch)
     with contextlib.ExitStack() as stack:
         factory: Any
         bladed_factory: _KVFactory | None = None
