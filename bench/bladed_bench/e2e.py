@@ -133,6 +133,16 @@ class E2EPlan:
     settle: bool = True
     timeout_s: float = 1800.0
     notes: dict[str, Any] = field(default_factory=dict)
+    #: what a cold start drops: "all" (``drop_caches``) or "workdir" (``sync``, then the pages of the files
+    #: under ``workdir`` evicted: the KV's stores; the interpreter's and CUDA's libraries stay cached)
+    drop_scope: str = "all"
+    #: seconds the sweep may take from its start, warm-up included (None: no limit): a run that would likely
+    #: end past it (it and the longest run so far) is not started, nor any after it; the JSON's ``budget``
+    #: says how many ran
+    budget_s: float | None = None
+    #: called after every limit of every repetition with (repetition, fraction, limit, the JSON so far): another
+    #: system run at the same point of the same alternation (``tools/gpu_check_steps.py``: FlexGen)
+    after_limit: Callable[[int, float, int, dict[str, Any]], None] | None = None
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -196,6 +206,8 @@ class E2ERunner:
         self.plan = plan
         os.makedirs(plan.workdir, exist_ok=True)
         self.sysdir = block_device_of(plan.workdir)
+        if plan.drop_scope not in ("all", "workdir"):
+            raise ValueError(f"drop_scope {plan.drop_scope!r}: give 'all' (drop_caches) or 'workdir' (its files)")
         self.drop_ok = plan.drop and can_drop_caches()
         self.cgroups = os.geteuid() == 0
         self.env = repo_env() | {"BLADED_CACHE_DIR": os.path.join(plan.workdir, "models")}
@@ -218,8 +230,12 @@ class E2ERunner:
         return argv
 
     def settle(self) -> dict[str, Any]:
-        """Drop the caches, then wait for the device to go idle and free page reporting to go quiet."""
-        out: dict[str, Any] = {"cold": self.drop_ok, "drop_caches_s": drop_caches() if self.drop_ok else None}
+        """Drop the caches (``plan.drop_scope``), then wait for the device to go idle and free page reporting to
+        go quiet."""
+        out: dict[str, Any] = {"cold": self.drop_ok, "drop_caches_s": None}
+        if self.drop_ok:
+            out["drop_scope"] = self.plan.drop_scope
+            out["drop_caches_s"] = drop_caches() if self.plan.drop_scope == "all" else evict_files(self.plan.workdir)
         if self.plan.settle and self.sysdir is not None:
             out["settle_s"], out["settled"] = wait_device_idle(self.sysdir)
         if self.plan.settle:
@@ -333,6 +349,25 @@ def offloaded_layers(tiers: str) -> int:
     return 0
 
 
+def evict_files(top: str) -> float:
+    """``sync``, then every file under ``top`` out of the page cache (``POSIX_FADV_DONTNEED``); the seconds taken."""
+    t0 = time.perf_counter()
+    os.sync()
+    for dirpath, _, names in os.walk(top):
+        for n in names:
+            try:
+                fd = os.open(os.path.join(dirpath, n), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:            # a socket, a file gone meanwhile
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return time.perf_counter() - t0
+
+
 def machine(workdir: str) -> dict[str, Any]:
     git = environment.git_info(REPO, ("bladed", "cffi_build", "bench", "tools"))
     sysdir = block_device_of(workdir)
@@ -354,7 +389,8 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
         "machine": machine(plan.workdir), "workload": dataclasses.asdict(plan.workload),
         "plan": {"sides": plan.sides, "fractions": plan.fractions, "reps": plan.reps, "workdir": plan.workdir,
                  "cold_runs": runner.drop_ok, "cgroups": runner.cgroups, "settle": plan.settle,
-                 "order": "williams", "notes": plan.notes},
+                 "order": "williams", "notes": plan.notes, "drop_scope": plan.drop_scope,
+                 "budget_s": plan.budget_s},
         "runs": [],
     }
     lock = threading.Lock()
@@ -368,10 +404,11 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
             f.write("\n")
         os.replace(tmp, out_path)
 
+    t_begin = time.perf_counter()
     say("warm-up: memory side (model conversion, KV set size, reference tokens)")
     warm = runner.run("memory", None, cold=False)
     # a lossy format's tokens are compared with the in-memory KV of the same format (the same arithmetic)
-    refs = {None: warm["tokens"]}
+    refs: dict[str | None, Any] = {None: warm["tokens"]}
     for fmt in sorted({f for f in (parse_side(s)[1] for s in plan.sides) if f}):
         say(f"warm-up: memory side with --kv-format {fmt} (its reference tokens)")
         refs[fmt] = runner.run(f"memory-{fmt}", None, cold=False)["tokens"]
@@ -387,13 +424,20 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
     limits = [align_up(allowance + int(f * kv), PAGE_SIZE) for f in plan.fractions]  # the kernel keeps pages
     doc["limits"] = limits
     total = plan.reps * len(limits) * len(plan.sides)
+    doc["budget"] = budget = {"budget_s": plan.budget_s, "stopped": False, "runs_done": 0, "runs_planned": total}
+    longest = time.perf_counter() - t_begin       # a run's length, until one has been timed: the warm-up's
     t_start = time.perf_counter()
     for rep in range(plan.reps):
         order = limits if rep % 2 == 0 else list(reversed(limits))
         for ri, limit in enumerate(order):
+            frac = plan.fractions[limits.index(limit)]
             for si in balanced_order(len(plan.sides), rep * len(limits) + ri):
                 side = plan.sides[si]
-                frac = plan.fractions[limits.index(limit)]
+                if plan.budget_s is not None and time.perf_counter() - t_begin + longest > plan.budget_s:
+                    budget["stopped"] = True
+                    say(f"budget: {plan.budget_s:.0f} s would be passed; {len(doc['runs'])} of {total} runs done")
+                    break
+                t_run = time.perf_counter()
                 say(f"rep {rep + 1}/{plan.reps} limit {limit / GiB:.3f} GiB ({frac:g} of the KV) {side} "
                     f"[{len(doc['runs']) + 1}/{total}]")
                 try:
@@ -404,7 +448,16 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
                 if "tokens" in rec:
                     rec["tokens_equal_memory"] = rec["tokens"] == refs[parse_side(side)[1]]
                 doc["runs"].append(rec)
+                budget["runs_done"] = len(doc["runs"])
+                longest = max(longest, time.perf_counter() - t_run)
                 save()
+            if budget["stopped"]:
+                break
+            if plan.after_limit is not None:
+                plan.after_limit(rep, frac, limit, doc)
+                save()
+        if budget["stopped"]:
+            break
     doc["wall_s"] = round(time.perf_counter() - t_start, 1)
     doc["machine"]["loadavg_end"] = environment.read_text("/proc/loadavg")
     doc["summary"] = summarize(doc)
@@ -511,6 +564,45 @@ def _fmt(m: dict[str, float] | None, digits: int = 2, scale: float = 1.0) -> str
     return f"{m['median'] * scale:.{digits}f} [{m['min'] * scale:.{digits}f}-{m['max'] * scale:.{digits}f}]"
 
 
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets against this run (issue 38): each a measure, its target, the values per limit and
+    whether it holds. Decode and TTFT ratios are of times (below 1: Dual-Blade is faster), paired in a round;
+    "full fit" is the highest limit."""
+    summ = doc.get("summary") or summarize(doc)
+    rows = summ["by_limit"]
+
+    def med(row: dict[str, Any], pair: str, key: str) -> float | None:
+        m = row["ratios"].get(pair, {}).get(key)
+        return None if m is None else float(m["median"])
+
+    def values(pair: str, key: str, pick: list[dict[str, Any]]) -> list[tuple[float, float | None]]:
+        return [(row["fraction"], med(row, pair, key)) for row in pick]
+
+    def held(vals: list[tuple[float, float | None]], ok: Callable[[float], bool]) -> bool | None:
+        known = [v for _, v in vals if v is not None]
+        return None if not known else all(ok(v) for v in known)
+
+    under_half = [row for row in rows if row["fraction"] < 0.5]
+    full = rows[-1:] if rows else []
+    out = []
+    for measure, target, vals, ok in (
+            ("decode time, Dual-Blade ÷ mmap, where less than half the KV set fits", "<= 0.65",
+             values("dualblade/mmap", "decode_time", under_half), lambda v: v <= 0.65),
+            ("decode time, Dual-Blade ÷ mmap, every limit", "<= 1.0",
+             values("dualblade/mmap", "decode_time", rows), lambda v: v <= 1.0),
+            ("TTFT, Dual-Blade ÷ mmap, every limit", "<= 1.0", values("dualblade/mmap", "ttft", rows),
+             lambda v: v <= 1.0),
+            ("decode tokens/s at full fit, Dual-Blade ÷ memory", ">= 0.85",
+             values("dualblade/memory", "decode_tok_s", full), lambda v: v >= 0.85),
+            ("decode time, Dual-Blade q8 ÷ Dual-Blade (fp32 rows)", "report",
+             values("dualblade-q8/dualblade", "decode_time", rows), lambda v: True)):
+        out.append({"measure": measure, "target": target, "values": vals,
+                    "met": None if target == "report" else held(vals, ok)})
+    out.append({"measure": "generated tokens equal to memory's (of the same KV format)", "target": "all runs",
+                "values": [], "met": bool(summ.get("tokens_equal_memory"))})
+    return out
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The tables of the report: decode tokens/s by limit and side; the issue's ratios; where the time goes."""
     summ = doc.get("summary") or summarize(doc)
@@ -569,6 +661,12 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {side_label(side)} | {d['wall_s']:.3f} | {d['compute_s']:.3f} | {d['load_wait_s']:.3f} "
                          f"| {d['read_s']:.3f} | {d['dma_s']:.3f} | {d['write_s']:.3f} | "
                          f"{d['read_bytes'] / GiB:.3f} |")
+    lines += ["", "The targets (issue 38):", "", "| measure | target | value (KV share of the limit: median) | |",
+              "| --- | --- | --- | --- |"]
+    for t in targets(doc):
+        vals = ", ".join(f"{f:g}: {'-' if v is None else f'{v:.2f}'}" for f, v in t["values"]) or "-"
+        verdict = {True: "met", False: "**missed**", None: ""}[t["met"]]
+        lines.append(f"| {t['measure']} | {t['target']} | {vals} | {verdict} |")
     eq = summ.get("tokens_equal_memory")
     lines += ["", f"Generated tokens equal to memory's (of the same KV format) on every run: "
                   f"{'yes' if eq else 'NO'}; failed runs: "
