@@ -622,7 +622,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                                  f"{most} channels per session (its io.max_channels); give --copy-threads {most} "
                                  "or less")
             factory = bladed_factory = _KVFactory(client, a)
-        lm = load_model(model_name, dtype, a.state_dir, a.seed, progress=progress.step)
+        lm = load_model(model_name, dtype, a.state_dir, a.seed, progress=progress.step, device=device)
         cfg = lm.model.cfg
         for flag, given in (("--prompt", a.prompt is not None), ("--chat", a.chat is not None),
                             ("--system", a.system is not None)):

@@ -144,13 +144,19 @@ def opt_config(name: str) -> ModelConfig:
                        ffn_dim=4 * h, max_positions=2048, bos_token_id=2, eos_token_id=2)
 
 
-def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights for any size (FlexLLMGen's dummy-weights idea): normal(0, 0.02), norms at 1."""
-    gen = torch.Generator().manual_seed(seed)
+def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0,
+                  device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Random weights for any size (FlexLLMGen's dummy-weights idea): normal(0, 0.02), norms at 1.
+
+    Made on ``device`` (default: the CPU) by a generator of that device seeded with ``seed``: the same weights
+    for the same seed, device type and torch version. On CUDA a model of billions of parameters is made in place,
+    not drawn by the CPU's generator and copied over; the values differ from the CPU's."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    gen = torch.Generator(device=dev).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=dev) * 0.02).to(dtype)
 
     h, f, kvh = cfg.hidden_size, cfg.ffn_dim, cfg.num_kv_heads * cfg.head_dim
     qh = cfg.num_heads * cfg.head_dim
@@ -170,11 +176,11 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[s
                 if cfg.enable_bias:
                     out[f"{q}self_attn.{n}.bias" if n.endswith("proj") else f"{q}{n}.bias"] = rnd(o)
             for n in ("self_attn_layer_norm", "final_layer_norm"):
-                out[f"{q}{n}.weight"] = torch.ones(h, dtype=dtype)
-                out[f"{q}{n}.bias"] = torch.zeros(h, dtype=dtype)
+                out[f"{q}{n}.weight"] = torch.ones(h, dtype=dtype, device=dev)
+                out[f"{q}{n}.bias"] = torch.zeros(h, dtype=dtype, device=dev)
         if cfg.do_layer_norm_before:
-            out[p + "final_layer_norm.weight"] = torch.ones(h, dtype=dtype)
-            out[p + "final_layer_norm.bias"] = torch.zeros(h, dtype=dtype)
+            out[p + "final_layer_norm.weight"] = torch.ones(h, dtype=dtype, device=dev)
+            out[p + "final_layer_norm.bias"] = torch.zeros(h, dtype=dtype, device=dev)
         out["lm_head.weight"] = out[p + "embed_tokens.weight"]
     else:
         out["model.embed_tokens.weight"] = rnd(cfg.vocab_size, h)
@@ -185,9 +191,9 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[s
                 out[f"{q}self_attn.{n}.weight"] = rnd(o, ii)
             for n, (o, ii) in {"gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}.items():
                 out[f"{q}mlp.{n}.weight"] = rnd(o, ii)
-            out[f"{q}input_layernorm.weight"] = torch.ones(h, dtype=dtype)
-            out[f"{q}post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
-        out["model.norm.weight"] = torch.ones(h, dtype=dtype)
+            out[f"{q}input_layernorm.weight"] = torch.ones(h, dtype=dtype, device=dev)
+            out[f"{q}post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype, device=dev)
+        out["model.norm.weight"] = torch.ones(h, dtype=dtype, device=dev)
         out["lm_head.weight"] = out["model.embed_tokens.weight"] if cfg.tie_word_embeddings \
             else rnd(cfg.vocab_size, h)
     return out

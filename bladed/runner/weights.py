@@ -165,8 +165,12 @@ def model_kind(name: str) -> ModelKind:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, state_dir: str | None = None,
-               seed: int = 0, progress: ProgressFn | None = None) -> LoadedModel:
-    """Resolve ``--model`` (see :func:`model_kind`) and load it; ``progress`` hears what takes a while."""
+               seed: int = 0, progress: ProgressFn | None = None,
+               device: torch.device | str | None = None) -> LoadedModel:
+    """Resolve ``--model`` (see :func:`model_kind`) and load it; ``progress`` hears what takes a while.
+
+    Random weights are made on ``device`` (default: the CPU; :func:`~bladed.runner.models.dummy_weights`),
+    files are read to the CPU."""
     kind = model_kind(name)
     say = progress or (lambda _what: None)
     if kind == "smollm2":
@@ -187,9 +191,11 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, state_dir: str | N
         cfg = tiny_config(arch, layers=4, hidden=128, heads=4, vocab=512)  # type: ignore[arg-type]
     else:
         cfg = opt_config(name)
-    say(f"making {cfg.name} with random weights")
-    return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed)), None, "dummy",
-                       identity=_short(f"{cfg.name} random weights seed {seed} {config_json(cfg)}"))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    made_on = "" if dev.type == "cpu" else f" made on {dev.type}"   # another generator: other weights
+    say(f"making {cfg.name} with random weights{made_on}")
+    return LoadedModel(DecoderModel(cfg, dummy_weights(cfg, dtype, seed, dev)), None, "dummy",
+                       identity=_short(f"{cfg.name} random weights seed {seed}{made_on} {config_json(cfg)}"))
 
 
 def _short(identity: str, limit: int = 200) -> str:
