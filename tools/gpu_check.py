@@ -10,20 +10,29 @@
 On the GPU box it installs the carried wheels into a private ``--target`` directory, unpacks Debian's
 liburing with ``dpkg -x`` into a private prefix (both under ``var/gpu-check``, git-ignored), builds the cffi
 extension (``bladed._uring``) against it,
-probes io_uring, starts a private daemon (file-backed store in a temporary directory), runs the ``cuda``
-tests (``tests/test_cuda.py``) and the measurements (staging-slot bandwidth and copy/kernel overlap, runner
-tokens/s with KV through bladed against KV kept in GPU memory, one KV sweep point with real DMA and real
-per-layer compute at two memory limits), and writes ``gpu-check.json`` and ``gpu-check.log`` to ``--out``.
+probes io_uring, starts a private daemon (file-backed store in a temporary directory), finds where memory
+cgroups with a hard limit can be made (``cgroups``), installs the carried FlexGen into a private directory with a
+local stand-in for OPT's tokenizer (``flexgen``, ``tools/gpu_flexgen.py``), runs the ``cuda`` tests
+(``tests/test_cuda.py``) and the measurements (staging-slot bandwidth and copy/kernel overlap, runner tokens/s
+with KV through bladed against KV kept in GPU memory, one KV sweep point with real DMA and real per-layer compute
+at two memory limits, a per-layer profile of the runner with KV through bladed against KV on the GPU at batch 1
+and 8 (``profile``, ``tools/gpu_profile.py``), and the end-to-end benchmark on OPT-6.7B's shape at three memory
+limits with real FlexGen at the same points (``e2e``, issue 41)), and writes ``gpu-check.json``,
+``gpu-check.log``, ``gpu-check-e2e.json`` (the benchmark's own JSON) and the profile's traces to ``--out``.
 
 Every step runs in a child process of its own (process group) with a timeout, inside one overall budget
 (``--budget-s``): a step that hangs is killed with whatever it started, reported as ``timeout``, and the
 steps after it still run. A step's status is ``passed``, ``failed``, ``timeout`` or ``not_run`` (with the
 reason: no CUDA, no io_uring, an earlier step failed). Where the kernel has no io_uring (a gVisor sandbox),
-the daemon's parts are reported not runnable with the reason and the pure-CUDA parts still run.
+the daemon's parts are reported not runnable with the reason and the pure-CUDA parts still run. The ``e2e`` step
+gets what the budget leaves (``RESERVE`` keeps time for it while earlier steps run) and starts no run that would
+end past it (the step is then ``timeout``, its JSON's ``budget`` saying how many ran); ``--skip`` leaves
+measurements out to give it more.
 
 ``--rehearse`` runs the same steps on the CPU (``CUDA_VISIBLE_DEVICES=""`` for every step, so on a GPU box too):
 the CUDA parts are reported ``not_run`` ("no CUDA"),
-the runner and the sweep point run on the CPU with a tiny model (plumbing and the JSON's shape), the
+the runner, the sweep point, the profile and the end-to-end benchmark run on the CPU with small models (plumbing
+and the JSON's shape; FlexGen under its ``cpu-shim``, opt-125m), the
 extension is built into the work directory (the one in ``bladed/`` that this checkout's environment uses
 is left alone), and the carry is installed into a temporary ``--target`` (laid out for Python 3.12 when
 this interpreter is another). CI runs it (``tests/test_gpu_check.py``).
@@ -54,8 +63,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import gpu_flexgen  # tools/: standard library only at import
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -87,14 +98,18 @@ BOX_STANDIN = ("setuptools", "numpy", "click", "psutil", "prometheus-client", "t
 #: the carry must stay well under the device's 64 MiB working-tree limit (the tree itself takes ~20 MiB)
 CARRY_LIMIT = 24 << 20
 
-#: per-step timeouts (s) on the GPU box and in a rehearsal
+#: per-step timeouts (s) on the GPU box and in a rehearsal (the e2e step: what the budget leaves)
 TIMEOUTS = {
     "environment": (60, 60), "install": (90, 120), "liburing": (30, 30), "build": (150, 150),
-    "uring": (30, 30), "daemon": (60, 60), "cuda_tests": (240, 120), "bandwidth": (90, 60),
-    "runner": (120, 90), "sweep": (150, 90),
+    "uring": (30, 30), "daemon": (60, 60), "cgroups": (30, 30), "flexgen": (90, 240), "cuda_tests": (240, 120),
+    "bandwidth": (90, 60), "runner": (120, 90), "sweep": (150, 90), "profile": (150, 150), "e2e": (3600, 600),
 }
+#: seconds kept for a later step while an earlier one runs (a slow early step cannot starve the issue-41 parts)
+RESERVE = {"profile": 45, "e2e": 150}
 #: the CUDA parts: not run without CUDA
-CUDA_STEPS = ("cuda_tests", "bandwidth", "runner", "sweep")
+CUDA_STEPS = ("cuda_tests", "bandwidth", "runner", "sweep", "profile", "e2e")
+#: the steps --skip may leave out (the measurements; the set-up they need always runs)
+SKIPPABLE = ("flexgen", *CUDA_STEPS)
 
 
 def now() -> str:
@@ -269,6 +284,20 @@ def cgroup_info() -> dict[str, Any]:
 # -- the check ------------------------------------------------------------------------------------------
 
 @dataclass
+class E2EOptions:
+    """The end-to-end plan on CUDA (``tools/gpu_check_steps.py``'s defaults: the issue's smallest)."""
+
+    prompt_len: int = 512
+    batch: int = 8
+    limits: str = "0.333,0.667,1"
+    reps: int = 2
+
+    def args(self) -> list[str]:
+        return ["--e2e-prompt-len", str(self.prompt_len), "--e2e-batch", str(self.batch), "--e2e-limits", self.limits,
+                "--e2e-reps", str(self.reps)]
+
+
+@dataclass
 class Ctx:
     mode: str                        # "gpu" or "rehearse"
     out_dir: str
@@ -277,6 +306,12 @@ class Ctx:
     log: Log
     deadline: float
     env: dict[str, str] = field(default_factory=dict)
+    skip: frozenset[str] = frozenset()  # --skip
+    e2e: E2EOptions = field(default_factory=E2EOptions)
+    no_flexgen: str | None = None    # why FlexGen cannot run here (None: it can)
+    no_cgroups: str | None = None    # why no memory limit can be applied here
+    #: where the steps make memory cgroups, with the entries there before they ran (cleaned at the end)
+    cgroup_parents: dict[str, set[str]] = field(default_factory=dict)
     site: str | None = None          # the --target the carried wheels went to
     prefix: str | None = None        # where liburing was unpacked
     extension: str | None = None     # the built (or prebuilt) bladed._uring
@@ -298,7 +333,10 @@ class Ctx:
 
     def timeout(self, step: str) -> float:
         base = TIMEOUTS[step][1 if self.rehearse else 0]
-        return max(5.0, min(float(base), self.deadline - time.monotonic() - 10.0))
+        names = [n for n, _ in STEPS]
+        later = names[names.index(step) + 1:] if step in names else []
+        reserve = sum(RESERVE.get(n, 0) for n in later if n not in self.skip)
+        return max(5.0, min(float(base), self.deadline - time.monotonic() - 10.0 - reserve))
 
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -574,9 +612,12 @@ def _step_child(ctx: Ctx, step: str, extra: Sequence[str] = ()) -> Result:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(res_path)
     argv = [sys.executable, os.path.join(TOOLS, "gpu_check_steps.py"), step, "--work", ctx.work, "--result",
-            res_path, *(["--rehearse"] if ctx.rehearse else []), *extra]
-    if ctx.no_daemon:
-        argv += ["--no-daemon", ctx.no_daemon]
+            res_path, "--out", ctx.out_dir, "--carry", ctx.carry, "--installs", ctx.installs,
+            *(["--rehearse"] if ctx.rehearse else []), *extra]
+    for flag, why in (("--no-daemon", ctx.no_daemon), ("--no-flexgen", ctx.no_flexgen),
+                      ("--no-cgroups", ctx.no_cgroups)):
+        if why:
+            argv += [flag, why]
     c = run_child(argv, timeout=ctx.timeout(step), env=ctx.child_env(), log=ctx.log, what=f"step {step}")
     if c.rc is None:
         return {"status": "timeout", "reason": f"killed after {ctx.timeout(step):.0f} s; last output:\n"
@@ -667,28 +708,93 @@ def step_measure(name: str) -> Callable[[Ctx], Result]:
     return run
 
 
+#: how tools/gpu_check_steps.py is told where to make memory cgroups (its CGROUP_PARENT_ENV)
+CGROUP_PARENT_ENV = "BLADED_GPU_CHECK_CGROUP_PARENT"
+#: the prefixes of the memory cgroups the steps make (removed at the end if a killed step left one)
+CGROUP_PREFIXES = ("bladed-e2e-", "bladed-gpu-check-")
+
+
+def step_cgroups(ctx: Ctx) -> Result:
+    """Where a KV owner's memory can be limited (``gpu_check_steps.py cgroups``); every later step is told."""
+    res = _step_child(ctx, "cgroups")
+    data = res.get("data") or {}
+    if res.get("status") == "passed":
+        with contextlib.suppress(OSError):
+            ctx.cgroup_parents[data["parent"]] = set(os.listdir(data["parent"]))
+        if not data.get("below_own"):
+            ctx.env[CGROUP_PARENT_ENV] = data["parent"]
+    elif res.get("status") != "not_run":     # not root: the harness runs without limits and says so
+        ctx.no_cgroups = _short(str(res.get("reason")))
+    return res
+
+
+def step_flexgen(ctx: Ctx) -> Result:
+    """FlexGen installed from the carry, its tokenizer, its import; a rehearsal runs it on the CPU."""
+    if "flexgen" in ctx.skip:
+        ctx.no_flexgen = "skipped (--skip flexgen)"
+        return {"status": "not_run", "reason": ctx.no_flexgen}
+    res = _step_child(ctx, "flexgen")
+    if res.get("status") != "passed":
+        ctx.no_flexgen = f"the flexgen step did not pass: {_short(str(res.get('reason')))}"
+    return res
+
+
+def step_e2e(ctx: Ctx) -> Result:
+    """The end-to-end benchmark and FlexGen, inside what the budget leaves (the child stops itself before it)."""
+    budget = ctx.timeout("e2e")
+    return _step_child(ctx, "e2e", ["--budget-s", f"{budget:.0f}", *ctx.e2e.args()])
+
+
+def cleanup_cgroups(parents: dict[str, set[str]], log: Log) -> None:
+    """On the GPU box, remove what a killed step left of its memory cgroups (their processes killed through the
+    cgroup, then the directory): the ones of the steps' prefixes made since ``parents`` was noted. Never in a
+    rehearsal, where another benchmark may have cgroups of the same prefixes below the same parent."""
+    for parent, before in parents.items():
+        for d in sorted(glob.glob(os.path.join(parent, "*"))):
+            name = os.path.basename(d)
+            if name in before or not name.startswith(CGROUP_PREFIXES) or not os.path.isdir(d):
+                continue
+            with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.kill"), "w") as f:
+                f.write("1")                    # v2 (5.14+): every process in it
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.rmdir(d)
+                    log(f"cgroups: removed {d}, left by a step")
+                    break
+                except OSError:
+                    time.sleep(0.2)
+
+
 STEPS: tuple[tuple[str, Callable[[Ctx], Result]], ...] = (
     ("environment", step_environment), ("install", step_install), ("liburing", step_liburing),
-    ("build", step_build), ("uring", step_uring), ("daemon", step_daemon), ("cuda_tests", step_cuda_tests),
-    ("bandwidth", step_measure("bandwidth")), ("runner", step_measure("runner")), ("sweep", step_measure("sweep")),
+    ("build", step_build), ("uring", step_uring), ("daemon", step_daemon), ("cgroups", step_cgroups),
+    ("flexgen", step_flexgen), ("cuda_tests", step_cuda_tests), ("bandwidth", step_measure("bandwidth")),
+    ("runner", step_measure("runner")), ("sweep", step_measure("sweep")), ("profile", step_measure("profile")),
+    ("e2e", step_e2e),
 )
 
 
-def check(mode: str, out_dir: str, carry: str, budget_s: float, keep: bool, no_io_uring: bool = False) -> int:
+def check(mode: str, out_dir: str, carry: str, budget_s: float, keep: bool, no_io_uring: bool = False,
+          skip: Sequence[str] = (), e2e: E2EOptions | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     log = Log(os.path.join(out_dir, LOG_NAME))
     started = time.monotonic()
     work = _work_dir(mode)
     ctx = Ctx(mode=mode, out_dir=out_dir, work=work, carry=carry, log=log, deadline=started + budget_s,
-              assume_no_io_uring=no_io_uring)
+              assume_no_io_uring=no_io_uring, skip=frozenset(skip), e2e=e2e or E2EOptions())
     doc: Result = {"schema": SCHEMA, "mode": mode, "started": now(), "root": ROOT, "carry": carry,
-                   "budget_s": budget_s, "steps": {}}
-    log(f"gpu_check {mode}: work {work}, carry {carry}, out {out_dir}, budget {budget_s:.0f} s")
+                   "budget_s": budget_s, "skip": sorted(ctx.skip), "e2e_plan": asdict(ctx.e2e),
+                   "steps": {}}
+    log(f"gpu_check {mode}: work {work}, carry {carry}, out {out_dir}, budget {budget_s:.0f} s"
+        + (f", skipping {','.join(sorted(ctx.skip))}" if ctx.skip else ""))
     try:
         for name, fn in STEPS:
             t0 = time.monotonic()
             if time.monotonic() > ctx.deadline - 15:
                 res: Result = {"status": "not_run", "reason": "the overall budget (--budget-s) ran out"}
+            elif name in ctx.skip and name != "flexgen":
+                res = {"status": "not_run", "reason": f"skipped (--skip {name})"}
             elif name in CUDA_STEPS and ctx.torch is False:
                 res = {"status": "not_run", "reason": "no torch in this Python"}
             else:
@@ -706,6 +812,8 @@ def check(mode: str, out_dir: str, carry: str, budget_s: float, keep: bool, no_i
                 log.raw(f"{name} reason:\n{res['reason']}")
             _save(doc, out_dir)
     finally:
+        if not ctx.rehearse:
+            cleanup_cgroups(ctx.cgroup_parents, log)
         doc["environment"] = doc["steps"].get("environment", {}).get("data", {})
         doc["figures"] = figures(doc)
         doc["wall_s"] = round(time.monotonic() - started, 1)
@@ -757,6 +865,9 @@ def figures(doc: Result) -> Result:
     rn = (st.get("runner") or {}).get("data") or {}
     sw = (st.get("sweep") or {}).get("data") or {}
     env = (st.get("environment") or {}).get("data") or {}
+    pr = (st.get("profile") or {}).get("data") or {}
+    e2e = (st.get("e2e") or {}).get("data") or {}
+    fg = (st.get("flexgen") or {}).get("data") or {}
     return {
         "gpu": env.get("gpu_name"), "driver": env.get("driver"), "cuda": env.get("torch_cuda"),
         "driver_cuda": (env.get("nvidia_smi") or {}).get("driver_cuda"), "nvcc": env.get("nvcc"),
@@ -764,17 +875,41 @@ def figures(doc: Result) -> Result:
         "io_uring": (env.get("io_uring") or {}).get("available"),
         "staging_bandwidth": bw.get("summary"), "runner_tokens_per_s": rn.get("summary"),
         "kv_sweep_point": sw.get("summary"),
+        "cgroup_parent": ((st.get("cgroups") or {}).get("data") or {}).get("parent"),
+        "flexgen": {"wheels": fg.get("wheels"), "tokenizer": (fg.get("tokenizer") or {}).get("class"),
+                    "patches": sorted(fg.get("patches") or {})} if fg else None,
+        "runner_profile": pr.get("summary"),
+        "e2e": e2e_figures(e2e) if e2e else None,
     }
 
 
+def e2e_figures(e2e: Result) -> Result:
+    """The e2e step's headline: decode tokens/s per limit and side (medians), FlexGen's, and the issue's ratios."""
+    out: Result = {"kv_bytes": e2e.get("kv_bytes"), "budget": e2e.get("budget"), "by_fraction": {}}
+    fg = (e2e.get("flexgen") or {}).get("by_fraction") or {}
+    for row in (e2e.get("summary") or {}).get("by_limit", []):
+        cell: Result = {side: (v.get("decode_tok_s") or {}).get("median") for side, v in row["sides"].items()}
+        f = fg.get(f"{row['fraction']:g}") or {}
+        cell["flexgen"] = (f.get("decode_tok_s") or {}).get("median")
+        for key, m in (("dualblade/mmap decode time", (row["ratios"].get("dualblade/mmap") or {}).get("decode_time")),
+                       ("dualblade/flexgen decode time", f.get("dualblade/flexgen_decode_time")),
+                       ("dualblade/flexgen ttft", f.get("dualblade/flexgen_ttft_time"))):
+            cell[key] = (m or {}).get("median")
+        out["by_fraction"][f"{row['fraction']:g}"] = cell
+    return out
+
+
 def verdict(doc: Result) -> bool:
-    """Every step passed; in a rehearsal the CUDA parts may be ``not_run`` for want of CUDA (or torch)."""
+    """Every step passed or was skipped (``--skip``); in a rehearsal the CUDA parts may be ``not_run`` for want of
+    CUDA (or torch)."""
     for name, res in doc["steps"].items():
         status = res.get("status")
-        if status == "passed":
+        reason = str(res.get("reason", ""))
+        if status == "passed" or (status == "not_run" and reason.startswith("skipped (--skip")):
             continue
-        if status == "not_run" and doc["mode"] == "rehearse" and name in CUDA_STEPS and \
-                str(res.get("reason", "")).startswith(("no CUDA", "no torch")):
+        if status == "not_run" and doc["mode"] == "rehearse" and (
+                (name in CUDA_STEPS and reason.startswith(("no CUDA", "no torch")))
+                or (name == "cgroups" and reason.startswith("not root"))):
             continue
         return False
     return len(doc["steps"]) == len(STEPS)
@@ -788,7 +923,7 @@ def summary_lines(doc: Result) -> Iterator[str]:
     for name, res in doc["steps"].items():
         yield f"  {name:12s} {res['status']:8s} {res.get('seconds', 0):6.1f} s" + (
             f"  {_short(res['reason'])}" if res.get("reason") else "")
-    for key in ("staging_bandwidth", "runner_tokens_per_s", "kv_sweep_point"):
+    for key in ("staging_bandwidth", "runner_tokens_per_s", "kv_sweep_point", "runner_profile", "e2e"):
         if f.get(key):
             yield f"  {key}: {json.dumps(f[key], default=str)}"
 
@@ -813,7 +948,11 @@ def prepare(carry: str, simulate: bool) -> int:
             log(f"pip wheel {n}=={v} (source only on PyPI: a pure-Python wheel built here)")
             subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", f"{n}=={v}", "-w", wheels],
                            check=True)
-    for w in glob.glob(os.path.join(wheels, "*.whl")):
+    flexgen = os.path.join(carry, "flexgen")
+    shutil.rmtree(flexgen, ignore_errors=True)
+    log(f"pip download {' '.join(f'{n}=={v}' for n, v, _ in gpu_flexgen.WHEELS)} (real FlexGen, issue 41)")
+    gpu_flexgen.fetch(flexgen)
+    for w in glob.glob(os.path.join(wheels, "*.whl")) + glob.glob(os.path.join(flexgen, "*.whl")):
         if not re.search(r"-(py3-none-any|cp312-cp312-[^/]*x86_64)\.whl$", w):
             raise SystemExit(f"{w}: not a wheel the box's CPython 3.12 on x86-64 can install")
     debs = os.path.join(carry, "debs")
@@ -957,7 +1096,8 @@ def write_manifest(carry: str) -> Result:
             total += size
             files.append({"path": rel, "bytes": size, "sha256": digest})
     doc = {"created": now(), "for": f"CPython {BOX_PY[0]}.{BOX_PY[1]} on x86-64 Linux (the GPU box)",
-           "packages": [{"name": n, "version": v} for n, v, _ in CARRIED], "debs": list(DEBS),
+           "packages": [{"name": n, "version": v} for n, v, _ in CARRIED],
+           "flexgen": [{"name": n, "version": v} for n, v, _ in gpu_flexgen.WHEELS], "debs": list(DEBS),
            "files": sorted(files, key=lambda x: str(x["path"])), "bytes": total}
     with open(os.path.join(carry, "manifest.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -1014,14 +1154,55 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="behave as on a kernel without io_uring (the daemon's parts not run): rehearses a sandbox")
     p.add_argument("--no-simulate", action="store_true",
                    help="--prepare: do not simulate the box with a local Python 3.12")
+    p.add_argument("--skip", type=_skip_list, default=[], metavar="STEP,...",
+                   help=f"leave these measurements out (reported not_run, 'skipped'): {', '.join(SKIPPABLE)}; e.g. "
+                        "cuda_tests,bandwidth,runner,sweep gives the end-to-end benchmark their ~80 s")
+    e = E2EOptions()
+    p.add_argument("--e2e-prompt-len", type=int, default=e.prompt_len, metavar="N",
+                   help=f"the end-to-end benchmark's prompt on CUDA, 512..2048 (default: {e.prompt_len})")
+    p.add_argument("--e2e-batch", type=int, default=e.batch, metavar="N",
+                   help=f"its batch, at least 8 (default: {e.batch})")
+    p.add_argument("--e2e-limits", default=e.limits, metavar="F,...",
+                   help=f"its limits as fractions of the KV set, ascending (default: {e.limits})")
+    p.add_argument("--e2e-reps", type=int, default=e.reps, metavar="N", help=f"its repetitions (default: {e.reps})")
     a = p.parse_args(argv)
     carry = os.path.abspath(a.carry)
     if a.prepare:
         return prepare(carry, simulate=not a.no_simulate)
+    opts = E2EOptions(a.e2e_prompt_len, a.e2e_batch, a.e2e_limits, a.e2e_reps)
+    problem = e2e_problem(opts)
+    if problem:
+        p.error(problem)
     mode = "rehearse" if a.rehearse else "gpu"
     out = os.path.abspath(a.out or os.environ.get("OUT") or "gpu-check")
-    budget = a.budget_s if a.budget_s is not None else (240.0 if a.rehearse else 420.0)
-    return check(mode, out, carry, budget, a.keep, a.assume_no_io_uring)
+    budget = a.budget_s if a.budget_s is not None else (600.0 if a.rehearse else 420.0)
+    return check(mode, out, carry, budget, a.keep, a.assume_no_io_uring, a.skip, opts)
+
+
+def _skip_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in SKIPPABLE]
+    if bad:
+        raise argparse.ArgumentTypeError(f"cannot skip {', '.join(bad)}; the steps --skip takes: "
+                                         f"{', '.join(SKIPPABLE)}")
+    return names
+
+
+def e2e_problem(o: E2EOptions) -> str | None:
+    """What is wrong with the end-to-end plan (issue 41's bounds), in one line with the fix; None if nothing."""
+    try:
+        fracs = [float(x) for x in o.limits.split(",") if x.strip()]
+    except ValueError:
+        return f"--e2e-limits {o.limits!r}: not a comma-separated list of numbers; e.g. 0.333,0.667,1"
+    if len(fracs) < 1 or any(f <= 0 for f in fracs) or fracs != sorted(fracs):
+        return f"--e2e-limits {o.limits}: give positive fractions of the KV set in ascending order, e.g. 0.333,0.667,1"
+    if not 512 <= o.prompt_len <= 2048:
+        return f"--e2e-prompt-len {o.prompt_len}: the issue's prompts are 512..2048 tokens; give one in that range"
+    if o.batch < 8:
+        return f"--e2e-batch {o.batch}: the issue's batch is at least 8; give --e2e-batch 8 or more"
+    if o.reps < 1:
+        return f"--e2e-reps {o.reps}: give at least 1 repetition"
+    return None
 
 
 if __name__ == "__main__":

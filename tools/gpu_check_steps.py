@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
 """The steps of ``tools/gpu_check.py`` that run bladed, each in a child process of its own::
 
-    python3 tools/gpu_check_steps.py uring|daemon|bandwidth|runner|sweep --work DIR --result FILE [--rehearse]
+    python3 tools/gpu_check_steps.py STEP --work DIR --result FILE [--rehearse]
+    # STEP: uring, daemon, cgroups, flexgen, bandwidth, runner, sweep, profile, e2e
 
-Each writes one JSON object to ``--result``: ``status`` (``passed``, ``failed``, ``not_run``), ``reason``
-and ``data`` (with ``summary``: the step's headline figures). Without CUDA the measurement steps still run
-their plumbing on the CPU (a daemon, a session, the runner and the sweep driver with a tiny model) and
-report ``not_run`` with the reason ``no CUDA``; with ``--no-daemon REASON`` (no io_uring) they run only
-their pure-CUDA parts. torch is imported only by the steps that need it.
+Each writes one JSON object to ``--result``: ``status`` (``passed``, ``failed``, ``not_run``, ``timeout``),
+``reason`` and ``data`` (with ``summary``: the step's headline figures). Without CUDA the measurement steps
+still run their plumbing on the CPU (a daemon, a session, the runner, the sweep driver, the profile's hooks and
+the end-to-end benchmark with FlexGen, with small models) and report ``not_run`` with the reason ``no CUDA``;
+with ``--no-daemon REASON`` (no io_uring) they run only their pure-CUDA parts. Where the environment names a
+parent for memory cgroups (:data:`CGROUP_PARENT_ENV`: the ``cgroups`` step found that the harness's own place
+refuses a limit), every step makes its memory cgroups below that directory. torch is imported only by the steps
+that need it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import importlib.machinery
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -633,9 +639,446 @@ def step_sweep(a: argparse.Namespace) -> Result:
     return {"status": "passed", "data": data}
 
 
+# -- cgroups -----------------------------------------------------------------------------------------------
+
+#: the environment variable through which tools/gpu_check.py hands every step the parent for memory cgroups
+CGROUP_PARENT_ENV = "BLADED_GPU_CHECK_CGROUP_PARENT"
+PROBE_LIMIT = 64 * MiB
+
+
+def use_cgroup_parent(path: str) -> None:
+    """Make the bench harness's memory cgroups (``bladed_bench.cgroup.MemCgroup``) below ``path``, not below this
+    process's own memory cgroup."""
+    from bladed.residency.cgroups import locate_memory_cgroup
+    from bladed_bench import cgroup as bc
+
+    mine = locate_memory_cgroup()
+    version = "v1" if os.path.exists(os.path.join(path, "memory.limit_in_bytes")) else "v2"
+    chosen = type(mine)(version, path, mine.root, mine.pressure_file)
+    bc.locate_memory_cgroup = lambda *_a, **_k: chosen     # MemCgroup asks for its parent by this name
+
+
+def _cgroup_candidates(mine: Any) -> list[str]:
+    """Where a memory cgroup with a limit may be made: below this process's own memory cgroup (what the harness
+    does), else, on cgroup v2, below each ancestor that hands the memory controller to its children and holds no
+    process itself (v2 hands no controller down from a cgroup with processes in it: the likely reason why the
+    H100 box of 2026-11-26 refused, EACCES, the limit of a cgroup made below the check's own)."""
+    out = [mine.path]
+    if mine.version != "v2":
+        return out
+    d = os.path.dirname(mine.path)
+    top = os.path.normpath(mine.root)
+    while d.startswith(top) and len(d) >= len(top):
+        try:
+            with open(os.path.join(d, "cgroup.subtree_control")) as f:
+                delegates = "memory" in f.read().split()
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                empty = not f.read().strip()
+        except OSError:
+            delegates = empty = False
+        if delegates and (empty or d == top):
+            out.append(d)
+        if d == top:
+            break
+        d = os.path.dirname(d)
+    return out
+
+
+def step_cgroups(a: argparse.Namespace) -> Result:
+    """Can a KV owner's memory be limited here? A memory cgroup with a hard limit made, read back and removed,
+    where the harness makes them, else below an ancestor (:func:`_cgroup_candidates`); the parent that worked."""
+    from bladed.residency.cgroups import locate_memory_cgroup
+    from bladed_bench import cgroup as bc
+
+    if os.geteuid() != 0:
+        return {"status": "not_run", "reason": "not root: no memory cgroups (the end-to-end runs would have no limit)"}
+    mine = locate_memory_cgroup()
+    data: Result = {"version": mine.version, "own": mine.path, "tried": []}
+    if mine.version == "none":
+        return {"status": "failed", "reason": "no memory cgroup controller on this host", "data": data}
+    original = bc.locate_memory_cgroup
+    try:
+        for parent in _cgroup_candidates(mine):
+            use_cgroup_parent(parent)
+            probes = os.path.join(parent, "bladed-gpu-check-probe-*")
+            before = set(glob.glob(probes))
+            try:
+                cg = bc.MemCgroup(PROBE_LIMIT, prefix="bladed-gpu-check-probe")
+                try:
+                    got = cg.limit()
+                finally:
+                    cg.remove()
+            except (OSError, RuntimeError) as e:
+                data["tried"].append({"parent": parent, "error": f"{type(e).__name__}: {e}"})
+                for left in set(glob.glob(probes)) - before:
+                    with contextlib.suppress(OSError):   # ours: made, then refused its limit (empty)
+                        os.rmdir(left)
+                continue
+            data["tried"].append({"parent": parent, "limit_read_back": got})
+            if got == PROBE_LIMIT:
+                data.update(parent=parent, below_own=parent == mine.path)
+                say(f"cgroups: memory cgroups with a limit are made below {parent}")
+                return {"status": "passed", "data": data}
+    finally:
+        bc.locate_memory_cgroup = original
+    tried = [t["parent"] for t in data["tried"]]
+    return {"status": "failed", "data": data,
+            "reason": f"no memory cgroup with a hard limit could be made below {tried}: the end-to-end runs would "
+                      "have no limit"}
+
+
+# -- FlexGen --------------------------------------------------------------------------------------------------
+
+def _flexgen_paths(a: argparse.Namespace) -> tuple[str, str]:
+    """Where FlexGen is installed and the local tokenizer built (under the check's install directory)."""
+    return os.path.join(a.installs, "flexgen"), os.path.join(a.installs, "flexgen-tokenizer")
+
+
+def step_flexgen(a: argparse.Namespace) -> Result:
+    """FlexGen's carried wheels installed into a private directory, the local tokenizer built and checked, FlexGen
+    imported with its patches in a process of its own; in a rehearsal, FlexGen itself run on the CPU
+    (``gpu_flexgen``'s ``cpu-shim``: facebook/opt-125m, KV on disk)."""
+    import gpu_flexgen as fg
+
+    carried = os.path.join(a.carry, "flexgen")
+    wheels, source = fg.wheels_in(carried), carried
+    if not wheels and a.rehearse:
+        wheels, source = fg.wheels_in(fg.LOCAL_WHEELS), fg.LOCAL_WHEELS
+    if not wheels:
+        fix = "run tools/gpu_check.py --prepare where pip can reach PyPI, and carry .gpu-carry"
+        if a.rehearse:
+            fix += f" (or tools/setup.sh, which puts them in {os.path.relpath(fg.LOCAL_WHEELS, ROOT)})"
+        return {"status": "failed", "reason": f"no FlexGen wheels ({', '.join(f'{n}=={v}' for n, v, _ in fg.WHEELS)}) "
+                                              f"in {carried}: {fix}"}
+    site, tok_dir = _flexgen_paths(a)
+    t0 = time.perf_counter()
+    fg.install(wheels, site)
+    data: Result = {"wheels": [os.path.basename(w) for w in wheels], "from": source, "site": site,
+                    "install_s": round(time.perf_counter() - t0, 2), "patches": fg.PATCHES}
+    data["tokenizer"] = fg.build_tokenizer(tok_dir)
+    data["tokenizer_dir"] = tok_dir
+    probe = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport flexgen, flexgen.flex_opt as fo\n"
+             "print(json.dumps({'flexgen': flexgen.__file__, 'run_flexgen': callable(fo.run_flexgen),"
+             " 'opt_lm': hasattr(fo.OptLM, 'generate')}))\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", probe, site], capture_output=True, text=True, env=env, timeout=120)
+    if r.returncode != 0:
+        return {"status": "failed", "reason": f"FlexGen does not import: {r.stderr.strip().splitlines()[-1:]}",
+                "data": data}
+    data["import"] = json.loads(r.stdout.strip().splitlines()[-1])
+    if not data["import"]["flexgen"].startswith(site):
+        return {"status": "failed", "reason": f"flexgen imported from {data['import']['flexgen']}, not the carried "
+                                              f"copy in {site}", "data": data}
+    say(f"flexgen: {data['wheels']} installed in {data['install_s']} s, tokenizer {data['tokenizer']['class']} "
+        f"({data['tokenizer']['prompt_tokens']} prompt tokens)")
+    if a.rehearse:
+        # the smallest FlexGen takes: OPT-125M, its warm-up's 32-token prompt (ours is 29 ids), a batch of 2
+        plan = fg.FlexGenPlan(model="facebook/opt-125m", batch=2, prompt_len=32, gen_len=4, site=site,
+                              tokenizer=tok_dir, workdir=os.path.join(a.work, "flexgen-cpu"), cpu_shim=True,
+                              timeout_s=150)
+        rec = fg.FlexGenRunner(plan, cgroups=False).run(None, cold=False)
+        data["cpu_run"] = rec
+        if "error" in rec:
+            return {"status": "failed", "reason": f"FlexGen on the CPU (cpu-shim): {rec['error']}", "data": data}
+        say(f"flexgen on the CPU: {len(rec['steps'])} steps, decode {rec['decode_tok_s']:.2f} tok/s, tokens "
+            f"{rec['tokens']}")
+    return {"status": "passed", "data": data}
+
+
+# -- profile ----------------------------------------------------------------------------------------------
+
+def step_profile(a: argparse.Namespace) -> Result:
+    """Per layer of a decode step, KV through bladed against KV on the GPU (SmolLM2's shape, batch 1 and 8):
+    load wait, compute (host, and GPU by CUDA events), writes handed over, the copy threads' read, DMA (CUDA
+    events) and write; a torch.profiler table of a few steps of each; the overhead per layer and its parts."""
+    import gzip
+
+    import torch
+    from gpu_profile import per_layer, profiled, top_ops
+
+    from bladed.kvstore import BladedKV
+    from bladed.runner.generation import Policy, Runner
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model, what, dtype = _runner_model(cuda, a.rehearse)
+    model = model.to(device)
+    cfg = model.cfg
+    prompt_len, gen_len = (256, 32) if cuda else (16, 5)
+    batches = (1, 8) if cuda else (1, 2)
+    g = torch.Generator().manual_seed(0)
+    data: Result = {"model": what, "dtype": str(dtype).removeprefix("torch."), "device": device,
+                    "prompt_len": prompt_len, "gen_len": gen_len, "layers": cfg.num_layers, "runs": {}}
+
+    prompts = {b: torch.randint(3, cfg.vocab_size, (b, prompt_len), generator=g) for b in batches}
+
+    def measure(name: str, batch: int, policy: Policy, factory: Any) -> Result:
+        ids = prompts[batch]                                    # the same prompt for both configurations
+        runner = Runner(model, policy, kv_factory=factory, device=device)
+        runner.generate(ids, 4)                                 # warm-up: kernels, the daemon's first session
+        with profiled() as rec:
+            res = runner.generate(ids, gen_len)
+        steps = rec.calls[-1]
+        row: Result = {"batch": batch, "decode_tok_s": round(res.throughputs()["decode_throughput_tok_s"], 2),
+                       "per_layer_ms": per_layer(steps, cfg.num_layers), "steps": steps,
+                       "tokens": res.tokens.tolist()}
+        try:                                                     # torch.profiler: a few more steps, best effort
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            with torch.profiler.profile(activities=acts) as prof:
+                runner.generate(ids, 3)
+            row["torch_profiler"] = top_ops(prof)
+            if a.out and batch == 1:
+                trace = os.path.join(a.work, f"trace-{name}-b{batch}.json")
+                prof.export_chrome_trace(trace)
+                with open(trace, "rb") as f, gzip.open(os.path.join(a.out, f"profile-{name}-b{batch}.json.gz"),
+                                                       "wb") as z:
+                    z.write(f.read())
+                row["trace"] = f"profile-{name}-b{batch}.json.gz"
+        except Exception as e:  # the profile's own figures stand without it
+            row["torch_profiler"] = {"error": f"{type(e).__name__}: {e}"}
+        say(f"profile {name} batch {batch}: decode {row['decode_tok_s']} tok/s, per layer "
+            f"{ {k: v for k, v in row['per_layer_ms'].items() if k in ('wall_ms', 'load_wait_ms')} }")
+        return row
+
+    for batch in batches:
+        data["runs"][f"kv_gpu_b{batch}"] = measure("kv-gpu", batch, Policy(gpu_batch_size=batch,
+                                                                            cache_gpu_percent=100), None)
+        if a.no_daemon:
+            continue
+        from bladed.client import Client
+
+        with private_daemon(a.work, f"profile-b{batch}", size="2G") as (sock, _d), Client(sock) as c:
+            def factory(geo: Any, c: Any = c) -> BladedKV:
+                return BladedKV.open(geo, mode="dualblade", channels=2, client=c, defer_writes=True)
+
+            data["runs"][f"bladed_b{batch}"] = measure("bladed", batch, Policy(gpu_batch_size=batch), factory)
+    data["summary"] = summary = {}
+    for batch in batches:
+        gpu, bl = data["runs"][f"kv_gpu_b{batch}"], data["runs"].get(f"bladed_b{batch}")
+        if bl is None:
+            continue
+        gl, ll = gpu["per_layer_ms"], bl["per_layer_ms"]
+        summary[f"b{batch}"] = {
+            "kv_gpu_decode_tok_s": gpu["decode_tok_s"], "bladed_decode_tok_s": bl["decode_tok_s"],
+            "overhead_ms_per_layer": round(ll["wall_ms"] - gl["wall_ms"], 4),
+            # where the extra time per layer is: the compute thread's parts, then the copy threads' busy time
+            "delta_ms_per_layer": {k: None if ll.get(k) is None or gl.get(k) is None else round(ll[k] - gl[k], 4)
+                                   for k in ("load_wait_ms", "load_cache_ms", "compute_host_ms", "compute_gpu_ms",
+                                             "store_cache_ms")},
+            "copy_threads_ms_per_layer": {k: ll.get(k) for k in ("read_ms", "dma_ms", "write_ms", "dma_gpu_ms",
+                                                                  "write_dma_gpu_ms")},
+            "tokens_equal": bl["tokens"] == gpu["tokens"]}
+    for row in data["runs"].values():
+        row.pop("tokens", None)
+    equal = all(v["tokens_equal"] for v in summary.values())
+    hooks = all(r["per_layer_ms"].get("n_compute_per_step") == cfg.num_layers for r in data["runs"].values())
+    if not equal or not hooks:
+        return {"status": "failed", "data": data,
+                "reason": "KV through bladed gave other tokens than KV on the device" if not equal else
+                          "the profile's hooks were not called once per layer: bladed.runner.generation changed; "
+                          "update tools/gpu_profile.py"}
+    if not cuda:
+        return {"status": "not_run", "reason": "no CUDA: rehearsed on the CPU with a tiny model (no CUDA events)",
+                "data": data}
+    if a.no_daemon:
+        return {"status": "not_run", "data": data,
+                "reason": f"KV through bladed is not runnable here: {a.no_daemon} (KV on the GPU was profiled)"}
+    return {"status": "passed", "data": data}
+
+
+# -- e2e: the end-to-end benchmark on CUDA, and FlexGen at the same points ------------------------------------
+
+#: the GPU plan (issue 41): OPT-6.7B's shape with random fp16 weights on CUDA, batch 8, prompt 512 (KV 2.125 GiB),
+#: 32 tokens; the limits in ascending order (the first repetition starts at the least memory: the point that
+#: matters most comes first if the budget runs out), two repetitions
+E2E_SIDES = ("mmap", "baseline", "dualblade")
+E2E_FRACTIONS = (0.333, 0.667, 1.0)
+E2E_REPS = 2
+E2E_PROMPT_LEN = 512
+E2E_BATCH = 8
+#: FlexGen's own memory (its process holds the KV's page cache and everything else): the probe's peak beyond the
+#: page cache, plus this share and this margin
+FLEXGEN_HEADROOM = 0.10
+FLEXGEN_MARGIN = 64 * MiB
+
+
+def _e2e_workload(a: argparse.Namespace, cuda: bool) -> Any:
+    import dataclasses
+
+    from bladed_bench.e2e import WORKLOADS, E2EWorkload
+
+    if cuda:
+        return dataclasses.replace(WORKLOADS["opt-6.7b"], prompt_len=a.e2e_prompt_len, batch=a.e2e_batch)
+    # a rehearsal: OPT's code path (FlexGen runs OPT only) at a size the CPU runs in seconds
+    return E2EWorkload("rehearsal-opt-125m", "facebook/opt-125m", "cpu", None, batch=2, prompt_len=32, gen_len=4)
+
+
+def _paired_flexgen(doc: Result, runs: list[Result]) -> dict[str, Any]:
+    """Per fraction: FlexGen's medians and Dual-Blade's and mmap's decode and TTFT times ÷ FlexGen's, paired
+    within a round (the same repetition and limit)."""
+    from bladed_bench.e2e import _med, ok_runs
+
+    out: dict[str, Any] = {}
+    fg_ok = [r for r in runs if "error" not in r and "skipped" not in r]
+    for frac in doc["plan"]["fractions"]:
+        mine = [r for r in fg_ok if r["fraction"] == frac]
+        row: dict[str, Any] = {"runs": len(mine), "decode_tok_s": _med([r["decode_tok_s"] for r in mine]),
+                               "prefill_tok_s": _med([r["prefill_tok_s"] for r in mine]),
+                               "ttft_s": _med([r["ttft_s"] for r in mine])}
+        for side in ("dualblade", "mmap", "baseline"):
+            for key in ("decode_s", "ttft_s"):
+                ratios = [o[key] / r[key] for r in mine for o in ok_runs(doc)
+                          if o["side"] == side and o["round"] == r["round"] and r.get(key) and o.get(key)]
+                row[f"{side}/flexgen_{key.removesuffix('_s')}_time"] = _med(ratios)
+        out[f"{frac:g}"] = row
+    return out
+
+
+def step_e2e(a: argparse.Namespace) -> Result:
+    """The end-to-end benchmark (``bladed_bench.e2e``) on CUDA: OPT-6.7B's shape, the KV owner in a memory cgroup
+    at each limit, sides mmap (FlexLLMGen's way), bladed Baseline and Dual-Blade, alternated and repeated, cold
+    (the work directory's files dropped), inside the step's budget; after each limit of each repetition, real
+    FlexGen at the same share of its KV set (its whole process in the cgroup)."""
+    import dataclasses
+
+    import torch
+
+    from bladed.sizes import PAGE_SIZE, align_up
+    from bladed_bench.e2e import E2EPlan, E2ERunner, markdown, run_e2e, summarize
+    from bladed_bench.repo import repo_env
+
+    if a.no_daemon:
+        return {"status": "not_run", "reason": f"bladed's sides need the daemon, not runnable here: {a.no_daemon}"}
+    if a.no_cgroups:
+        return {"status": "not_run", "reason": f"no memory limit can be applied here: {a.no_cgroups}"}
+    cuda = torch.cuda.is_available()
+    t0 = time.monotonic()
+    budget = max(30.0, a.budget_s - 15.0) if a.budget_s else None    # the summary's time kept
+    deadline = t0 + budget if budget else None
+    w = _e2e_workload(a, cuda)
+    fractions = [float(x) for x in a.e2e_limits.split(",")] if cuda else [0.333, 1.0]
+    reps = a.e2e_reps if cuda else 1
+    workdir = os.path.join(a.work, "e2e")
+    # a rehearsal does not wait for the device and free page reporting to go quiet (up to a minute a run on a
+    # VM shared with other work): it proves the plumbing, not the timing
+    plan = E2EPlan(workload=w, sides=list(E2E_SIDES), fractions=fractions, reps=reps, workdir=workdir,
+                   drop=True, settle=not a.rehearse, drop_scope="workdir", timeout_s=max(60.0, budget or 900.0),
+                   budget_s=budget, notes={"by": "tools/gpu_check.py (issue 41)"})
+    data: Result = {"workload": dataclasses.asdict(w), "sides": list(E2E_SIDES), "fractions": fractions,
+                    "reps": reps, "budget_s": budget, "drop_scope": "workdir",
+                    "drop_scope_why": "libraries stay cached: a run's process start and the lazily loaded CUDA "
+                                      "kernels of its prefill do not read them from the disk under test again"}
+    fg_runs: list[Result] = []
+    flexgen: Result = {"runs": fg_runs, "status": None}
+    data["flexgen"] = flexgen
+    fg_runner = None
+    if a.no_flexgen:
+        flexgen.update(status="not_run", reason=a.no_flexgen)
+    else:
+        import gpu_flexgen as fg
+
+        site, tok_dir = _flexgen_paths(a)
+        fplan = fg.FlexGenPlan(model=w.model, batch=w.batch, prompt_len=w.prompt_len, gen_len=w.gen_len, site=site,
+                               tokenizer=tok_dir, workdir=os.path.join(workdir, "flexgen"), cpu_shim=not cuda,
+                               timeout_s=max(60.0, budget or 900.0))
+        settle = E2ERunner(plan).settle            # cold as the e2e runs are
+        fg_runner = fg.FlexGenRunner(fplan, cgroups=os.geteuid() == 0, settle=settle, env=repo_env())
+        fg_kv = fg.kv_bytes(w.model, w.batch, w.prompt_len + w.gen_len)
+        say(f"flexgen probe: {w.model} batch {w.batch} prompt {w.prompt_len}, 2 tokens, no limit (its own memory)")
+        probe = fg_runner.run(None, gen_len=2)
+        probe.pop("tokens", None)
+        flexgen.update(probe=probe, kv_bytes=fg_kv)
+        if "error" in probe:
+            flexgen.update(status="failed", reason=f"the probe run failed: {probe['error']}")
+            fg_runner = None
+        else:
+            from bladed.runner.models import opt_config
+
+            # FlexGen makes each dummy weight with np.ones on the host before copying it to the GPU: the largest
+            # (the embedding) is a transient the probe's samples (10 a second) may have missed
+            ocfg = opt_config(w.model)
+            transient = ocfg.vocab_size * ocfg.hidden_size * 2
+            peak = (probe.get("cgroup") or {}).get("peak_stat", {}).get("non_file")
+            flexgen["allowance_bytes"] = None if peak is None else align_up(
+                int(peak * (1 + FLEXGEN_HEADROOM)) + FLEXGEN_MARGIN + transient, PAGE_SIZE)
+            flexgen["allowance_rule"] = (f"the probe's peak of the cgroup's memory beyond the page cache "
+                                         f"x {1 + FLEXGEN_HEADROOM:g} + {FLEXGEN_MARGIN >> 20} MiB + the largest "
+                                         f"weight FlexGen makes on the host ({transient} bytes)")
+
+    longest_fg = [0.0]
+
+    def after_limit(rep: int, frac: float, limit: int, doc: Result) -> None:
+        """FlexGen at ``frac`` of its KV set, right after the bladed sides' runs at that limit."""
+        if fg_runner is None:
+            return
+        order = doc["limits"] if rep % 2 == 0 else doc["limits"][::-1]     # run_e2e's order of the limits
+        rnd = rep * len(order) + order.index(limit)
+        rec_base = {"rep": rep, "fraction": frac, "round": rnd, "bladed_limit_bytes": limit}
+        guess = longest_fg[0] or max((r.get("process_s") or 0.0 for r in doc["runs"] if r.get("fraction") == frac),
+                                     default=0.0)
+        if deadline is not None and time.monotonic() + guess > deadline:
+            fg_runs.append({"side": "flexgen", **rec_base, "skipped": "budget"})
+            return
+        allowance = flexgen.get("allowance_bytes")
+        fg_limit = None if allowance is None else align_up(allowance + int(frac * fg_kv), PAGE_SIZE)
+        say(f"flexgen rep {rep + 1} limit {fg_limit} ({frac:g} of its KV)")
+        t1 = time.monotonic()
+        rec = fg_runner.run(fg_limit, timeout_s=max(30.0, (deadline - time.monotonic()) if deadline else 900.0))
+        longest_fg[0] = max(longest_fg[0], time.monotonic() - t1)
+        rec.update(rec_base)
+        fg_runs.append(rec)
+        say(f"flexgen: {rec['error']}" if "error" in rec else f"flexgen: decode {rec['decode_tok_s']:.2f} tok/s")
+
+    plan.after_limit = after_limit
+    if deadline is not None:                       # what the probe left (run_e2e counts from its own start)
+        plan.budget_s = max(1.0, deadline - time.monotonic())
+    out_json = os.path.join(a.out or a.work, "gpu-check-e2e.json")
+    doc = run_e2e(plan, out_json, progress=say)
+    doc["flexgen"] = flexgen
+    data["json"] = os.path.basename(out_json)
+    summ = doc.get("summary") or summarize(doc)
+    fg_ok = [r for r in fg_runs if "error" not in r and "skipped" not in r]
+    if fg_runner is not None:
+        flexgen["status"] = "failed" if any("error" in r for r in fg_runs) else "passed"
+        flexgen["by_fraction"] = _paired_flexgen(doc, fg_runs)
+        flexgen["tokens"] = fg_ok[0]["tokens"] if fg_ok else None        # FlexGen's dummy weights: all ones
+    with open(out_json, "w") as f:
+        json.dump(doc, f, indent=1)
+    data["budget"] = doc.get("budget")
+    data["kv_bytes"] = doc.get("kv_bytes")
+    data["limits"] = doc.get("limits")
+    data["owner_allowance_bytes"] = doc.get("owner_allowance_bytes")
+    data["summary"] = summ
+    data["markdown"] = markdown(doc)
+    data["errors"] = [{k: r.get(k) for k in ("side", "fraction", "rep", "error")} for r in doc["runs"] if "error" in r]
+    data["flexgen"] = {k: v for k, v in flexgen.items() if k != "runs"} | {
+        "runs": [{k: v for k, v in r.items() if k not in ("tokens", "prompt_ids", "steps")} for r in fg_runs]}
+    say(data["markdown"])
+    problems = []
+    if summ["errors"]:
+        problems.append(f"{summ['errors']} e2e runs failed")
+    if not summ["tokens_equal_memory"]:
+        problems.append("a side's tokens differ from memory's")
+    if flexgen["status"] == "failed":
+        problems.append(f"FlexGen: {flexgen.get('reason') or 'a run failed'}")
+    skipped = (doc.get("budget") or {}).get("stopped") or any("skipped" in r for r in fg_runs)
+    if problems:
+        return {"status": "failed", "reason": "; ".join(problems), "data": data}
+    if not cuda:
+        return {"status": "not_run", "data": data,
+                "reason": "no CUDA: rehearsed on the CPU (facebook/opt-125m's shape, FlexGen under its cpu-shim)"}
+    if skipped:
+        b = doc["budget"]
+        return {"status": "timeout", "data": data,
+                "reason": f"the step's budget ({budget:.0f} s) ran out: {b['runs_done']} of {b['runs_planned']} e2e "
+                          f"runs and {len(fg_ok)} FlexGen runs done; the rest were not started"}
+    return {"status": "passed", "data": data}
+
+
 STEPS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "uring": step_uring, "daemon": step_daemon, "bandwidth": step_bandwidth, "runner": step_runner,
-    "sweep": step_sweep,
+    "sweep": step_sweep, "cgroups": step_cgroups, "flexgen": step_flexgen, "profile": step_profile,
+    "e2e": step_e2e,
 }
 
 
@@ -646,8 +1089,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", required=True)
     p.add_argument("--rehearse", action="store_true")
     p.add_argument("--no-daemon", default=None, metavar="REASON")
+    p.add_argument("--no-flexgen", default=None, metavar="REASON")
+    p.add_argument("--no-cgroups", default=None, metavar="REASON")
     p.add_argument("--extension", default=None)
+    p.add_argument("--out", default=None, help="where files beside gpu-check.json go (traces, the e2e JSON)")
+    p.add_argument("--carry", default=os.path.join(ROOT, ".gpu-carry"))
+    p.add_argument("--installs", default=None, help="where the check installs things (default: --work)")
+    p.add_argument("--budget-s", type=float, default=None, help="the step's own time budget")
+    p.add_argument("--e2e-prompt-len", type=int, default=E2E_PROMPT_LEN)
+    p.add_argument("--e2e-batch", type=int, default=E2E_BATCH)
+    p.add_argument("--e2e-limits", default=",".join(f"{x:g}" for x in E2E_FRACTIONS))
+    p.add_argument("--e2e-reps", type=int, default=E2E_REPS)
     a = p.parse_args(argv)
+    a.installs = a.installs or a.work
+    if os.environ.get(CGROUP_PARENT_ENV) and a.step != "cgroups":
+        use_cgroup_parent(os.environ[CGROUP_PARENT_ENV])
     try:
         res = STEPS[a.step](a)
     except Exception as e:

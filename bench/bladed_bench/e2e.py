@@ -34,6 +34,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
@@ -355,9 +356,12 @@ def evict_files(top: str) -> float:
     os.sync()
     for dirpath, _, names in os.walk(top):
         for n in names:
+            path = os.path.join(dirpath, n)
             try:
-                fd = os.open(os.path.join(dirpath, n), os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError:            # a socket, a file gone meanwhile
+                if not stat.S_ISREG(os.lstat(path).st_mode):    # a socket, a FIFO (opening it would block)
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:            # gone meanwhile
                 continue
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
