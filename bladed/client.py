@@ -64,6 +64,7 @@ from bladed.protocol import (
     RangeResult,
     RemoteIOError,
     ShuttingDownError,
+    WriteBudgetExhaustedError,
     error_for,
     error_from_reply,
     hello_request,
@@ -99,6 +100,7 @@ __all__ = [
     "RemoteIOError",
     "Session",
     "ShuttingDownError",
+    "WriteBudgetExhaustedError",
     "clear_cuda_error",
     "geometry_dict",
 ]
@@ -352,6 +354,11 @@ class Client:
 
     def budget(self) -> dict[str, Any]:
         return _strip(self.call("budget"))
+
+    def wear(self) -> dict[str, Any]:
+        """What bladed wrote to the device today and since install, the write budget, the drive's figures and
+        days left (docs/operations.md, "Wear")."""
+        return _strip(self.call("wear"))
 
     def prefixes(self) -> dict[str, Any]:
         """The retained prefixes this peer may see (all of them for an admin), its scope and the block size."""

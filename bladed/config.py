@@ -73,11 +73,21 @@ class DeviceConfig:
     #: after a session's TRIM: "auto" = Write Zeroes where the device does not read zeroes after a
     #: deallocate (or the deallocate failed); "always" = Write Zeroes every freed extent
     zero_freed: str = "auto"
+    #: the drive's rated endurance in TB written (decimal TB, 10^12 bytes; the "TBW" of its data sheet) for the
+    #: days left at the current rate (``bladectl wear``); 0 = unset (the drive's own estimate where it gives one)
+    endurance_tbw: float = 0.0
+
+
+#: where Dual-Blade's page-cache KPUs (Group 1) live: ``memory`` files the kernel never writes back (live demotion
+#: is their eviction), or ``disk`` files in ``pagecache.directory`` (the kernel's writeback and reclaim)
+PAGECACHE_BACKINGS = ("memory", "disk")
 
 
 @dataclass
 class PageCacheConfig:
     directory: str = "pagecache"
+    #: Dual-Blade's Group 1: "memory" (PAGECACHE_BACKINGS); the other modes' page cache is always on disk
+    backing: str = "memory"
 
 
 @dataclass
@@ -123,6 +133,10 @@ class IOConfig:
     #: reads one channel keeps in flight (in pieces of half of it), so other channels' appends pass its bulk reads;
     #: 0 = no window (every piece of a read submitted at once)
     read_window_bytes: int = 1 << 20
+    #: bytes bladed's own commands may write to the device per UTC day before new direct-path spills (a session
+    #: whose plan needs direct KPUs, a live demotion, a retained prefix on the device) are refused with
+    #: write_budget_exhausted; 0 = no budget (docs/operations.md, "Wear")
+    write_budget: int = 0
 
 
 @dataclass
@@ -253,7 +267,7 @@ class Config:
 
 
 RELOADABLE = frozenset({"access", "budget", "log", "io.max_channels", "io.max_outstanding", "io.send_timeout_s",
-                        "io.max_staging_bytes"})
+                        "io.max_staging_bytes", "io.write_budget", "device.endurance_tbw"})
 
 
 def reload_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
@@ -316,7 +330,8 @@ def format_size(n: int) -> str:
 
 
 _SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "access.quota_bytes",
-              "io.max_staging_bytes", "io.read_window_bytes", "prefix.device_bytes", "prefix.pagecache_bytes"}
+              "io.max_staging_bytes", "io.read_window_bytes", "io.write_budget", "prefix.device_bytes",
+              "prefix.pagecache_bytes"}
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, problems: list[str]) -> Any:
@@ -449,8 +464,16 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"device.zero_freed: must be \"auto\" or \"always\", got {d.zero_freed!r}")
     if d.max_command_bytes < 4096:
         p.append(f"device.max_command_bytes: must be at least 4096, got {d.max_command_bytes}")
+    if not 0.0 <= d.endurance_tbw < 1e9:
+        p.append(f"device.endurance_tbw: must be the drive's rated TB written (e.g. 600), or 0 for unset, got "
+                 f"{d.endurance_tbw}")
     if not cfg.pagecache.directory:
         p.append("pagecache.directory: must not be empty")
+    if cfg.pagecache.backing not in PAGECACHE_BACKINGS:
+        p.append(f"pagecache.backing: must be \"memory\" or \"disk\", got {cfg.pagecache.backing!r}")
+    elif cfg.pagecache.backing == "memory" and not cfg.budget.live_replan:
+        p.append("pagecache.backing: \"memory\" files are evicted by live demotion only, which budget.live_replan = "
+                 "false turns off; set pagecache.backing = \"disk\" or budget.live_replan = true")
     b = cfg.budget
     if b.interval_s <= 0:
         p.append(f"budget.interval_s: must be positive, got {b.interval_s}")

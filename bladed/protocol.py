@@ -135,7 +135,7 @@ FRAME_FORMAT = JSON_FORMAT
 #: the JSON requests (docs/protocol.md has one section per op)
 OPS = (
     "hello", "open_session", "close_session", "attach", "write", "read",
-    "status", "sessions", "stats", "budget", "trim", "retain", "prefixes", "evict_prefixes",
+    "status", "sessions", "stats", "budget", "trim", "retain", "prefixes", "evict_prefixes", "wear",
 )
 
 
@@ -158,6 +158,7 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
     NO_MEMORY = "no_memory"                      # the daemon's memory (its cgroup's limit) cannot hold the staging
+    WRITE_BUDGET_EXHAUSTED = "write_budget_exhausted"  # today's direct-path writes reached io.write_budget
 
 
 # -- exceptions (raised by the client) ------------------------------------------
@@ -201,6 +202,8 @@ ERRORS: tuple[tuple[str, str, tuple[ErrorCode, ...], str], ...] = (
     ("ShuttingDownError", "", (ErrorCode.SHUTTING_DOWN,), "The daemon is draining."),
     ("NoMemoryError", "", (ErrorCode.NO_MEMORY,),
      "The daemon's memory (its memory cgroup's limit) cannot hold the session's staging."),
+    ("WriteBudgetExhaustedError", "", (ErrorCode.WRITE_BUDGET_EXHAUSTED,),
+     "Today's direct-path writes reached io.write_budget: a new spill to the device is refused until 00:00 UTC."),
 )
 
 
@@ -235,6 +238,7 @@ RemoteIOError = _CLASSES["RemoteIOError"]
 IntegrityError = _CLASSES["IntegrityError"]
 ShuttingDownError = _CLASSES["ShuttingDownError"]
 NoMemoryError = _CLASSES["NoMemoryError"]
+WriteBudgetExhaustedError = _CLASSES["WriteBudgetExhaustedError"]
 
 
 class DaemonLostError(BladedError, ConnectionError):

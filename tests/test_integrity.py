@@ -42,7 +42,8 @@ def corrupt(path: str, offset: int) -> None:
 
 
 def test_corruption_on_the_device_and_in_page_cache_files_is_reported(tmp: str) -> None:
-    with DaemonProcess(tmp, {"budget": {"override": 2 * KPU}}).start() as d, Client(d.socket_path) as c:
+    cfg = {"budget": {"override": 2 * KPU}, "pagecache": {"backing": "disk"}}    # page-cache files to corrupt
+    with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
         s = c.open_session(GEO, channels=1, checksums=True)
         assert [k["path"] for k in s.plan["kpus"]] == ["pagecache", "pagecache", "direct", "direct"]
         for layer in range(2):

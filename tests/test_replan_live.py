@@ -64,7 +64,9 @@ def journal_extents(tmp: str, sid: str) -> list[list[int]]:
 
 
 def test_dualblade_demotes_by_growing_the_extent(tmp: str) -> None:
-    cfg = {"budget": {"override": 4 * KPU}, "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
+    # Group 1 on disk files, to see them go (memory files: tests/test_pagecache_memory.py)
+    cfg = {"budget": {"override": 4 * KPU}, "metrics": {"enabled": True, "listen": "unix:metrics.sock"},
+           "pagecache": {"backing": "disk"}}
     with DaemonProcess(tmp, cfg).start() as d, ClientProcess(d.socket_path) as c:
         c.call("connect")
         opened = c.call("open", geometry=ALIGNED)
@@ -311,7 +313,10 @@ def test_cgroup_limit_cut_demotes_and_keeps_every_byte(tmp: str, device: tuple[d
     with ChildCgroup(512 << 20) as cg:
         # reserve_extent: three sessions demote at once, so each needs its room up front (growing in place
         # needs the blocks after its extent, which the next session's extent holds)
-        cfg = {"device": dev_cfg, "budget": {"interval_s": 0.5, "cgroup": cg.path, "reserve_extent": True}}
+        # on disk files: the kernel reclaims their written-back pages to fit the cut (memory files it cannot:
+        # tests/test_pagecache_memory.py)
+        cfg = {"device": dev_cfg, "budget": {"interval_s": 0.5, "cgroup": cg.path, "reserve_extent": True},
+               "pagecache": {"backing": "disk"}}
         with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
             cg.add(d.pid)          # the KV files' pages are charged to the cgroup from here on
             models = open_models(c, [big_aligned, dict(ROW256, max_tokens=128), UNALIGNED])
@@ -352,7 +357,7 @@ def test_demotion_without_memory_for_its_copy_buffer_is_refused_and_retried(tmp:
     """No memory for the copy: the move is refused before anything moves, counted, and bytes stay."""
     geo = dict(ROW256, max_tokens=8192)          # 2 MiB KPUs: each move copies through a 1 MiB buffer
     with ChildCgroup(512 << 20) as cg:
-        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path},
+        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path}, "pagecache": {"backing": "disk"},
                "metrics": {"enabled": True, "listen": "unix:metrics.sock"}}
         with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
             cg.add(d.pid)

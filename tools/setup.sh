@@ -2,7 +2,7 @@
 # tools/setup.sh - install everything bladed needs on a fresh Debian 12 box
 # (idempotent; quick when already done):
 #   * Debian packages: liburing-dev (the engine links it), fio (benchmark
-#     yardstick), redis-server (the shared prefix tier's tests), qemu + busybox-static (the NVMe test VM), systemd + udev (the
+#     yardstick), redis-server (the shared prefix tier's tests), qemu + busybox-static + nvme-cli (the NVMe test VM), systemd + udev (the
 #     VM booted with systemd as PID 1), util-linux (losetup)
 #   * a virtual environment in .venv with bladed installed (editable; this
 #     compiles the cffi extension) plus torch (CPU build), transformers & co.,
@@ -19,7 +19,8 @@ say() { echo "setup: $*" >&2; }
 
 APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap redis-server
           qemu-user-static binfmt-support qemu-system-arm)  # the last three: tools/arm64 (arm64 under emulation)
-[ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev)
+# nvme-cli: tests/vm/test_wear_in_vm.py compares bladectl wear with `nvme smart-log` (the VM runs on this root)
+[ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev nvme-cli)
 missing=()
 for p in "${APT_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,5 +1,5 @@
 """The ``bladectl`` commands that talk to a running bladed: ``status``, ``sessions``, ``stats``,
-``budget``, ``prefixes`` (and ``prefixes evict``), ``trim``.
+``budget``, ``wear``, ``prefixes`` (and ``prefixes evict``), ``trim``.
 
 They go through the same socket and protocol as the client library, found by
 :func:`bladed.config.find_socket`.
@@ -158,7 +158,25 @@ def _stats_table(cur: dict[str, Any], prev: dict[str, Any] | None) -> None:
         ("extents", f"{cur['extents']['used_blocks']} blocks used, {cur['extents']['free_blocks']} free"),
         ("trimmed", size(cur["trimmed_bytes"])),
         ("page-cache budget", f"{size(cur['budget'].get('pagecache_budget_bytes'))} (B_pc; held by sessions: "
-                              f"{size(cur['budget'].get('held_bytes'))})")])
+                              f"{size(cur['budget'].get('held_bytes'))})"),
+        ("written by bladed", f"{size(cur['direct_written_bytes'])} to the store device since start ("
+                              + ", ".join(f"{k} {size(v)}" for k, v in cur["direct_written_by_cause"].items())
+                              + ")"),
+        *_kernel_rows(cur.get("wear", {}).get("kernel", {}))])
+
+
+def _kernel_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
+    """The kernel's count of each role's block device, since the daemon started."""
+    rows = []
+    for role, k in kernel.items():
+        what = "store" if role == "store" else "page-cache directory"
+        if k.get("device") is None:
+            rows.append((f"{what}'s device", f"unknown: {k.get('why')}"))
+        else:
+            unseen = "; bladed's NVMe passthrough not counted" if k.get("passthrough_counted") is False else ""
+            rows.append((f"{what}'s device", f"{k['device']}: {size(k['written_bytes'])} written since start, all "
+                                             f"writers (the kernel's count{unseen})"))
+    return rows
 
 
 @click.command(cls=Command)
@@ -235,6 +253,77 @@ def budget() -> None:
     emit(data, human)
 
 
+def _days(x: Any) -> str:
+    return "unknown" if x is None else f"{x:,.0f} days" if x >= 10 else f"{x:.1f} days"
+
+
+def _wear_report(d: dict[str, Any]) -> None:
+    """``bladectl wear`` for people."""
+    def causes(f: dict[str, Any]) -> str:
+        parts = [f"{k} {size(v)}" for k, v in f["direct"].items() if v]
+        return f"{size(f['direct_bytes'])}" + (f" ({', '.join(parts)})" if parts else "")
+
+    budget = d["write_budget"]
+    left = int(d["day_ends"] - d["time"])
+    rows = [
+        ("device", f"{d['backend']} {d['device']}"),
+        ("written by bladed today", f"{causes(d['today'])}  [UTC day {d['day']}, ends in {left // 3600} h "
+                                    f"{left % 3600 // 60:02d} min]"),
+        ("written by bladed since install", f"{causes(d['since_install'])}  [since {_when(d['installed'])}]"),
+        ("write budget (io.write_budget)",
+         "off" if not budget["bytes"] else
+         f"{size(budget['spent_bytes'])} of {size(budget['bytes'])} a day"
+         + (": SPENT, new direct-path spills are refused until 00:00 UTC" if budget["exhausted"]
+            else f", {size(budget['left_bytes'])} left")
+         + (f"; refused: {', '.join(f'{k} {v}' for k, v in budget['refusals'].items() if v)}"
+            if any(budget["refusals"].values()) else "")),
+    ]
+    rows += [(f"  the kernel: {r[0]}", r[1]) for r in _kernel_rows(d["kernel"])]
+    s = d["smart"]
+    if s is None:
+        rows.append(("drive (SMART)", f"unavailable: {d['smart_error']}"))
+    else:
+        t, e = d["trend"], d["endurance"]
+        per30 = t["percentage_used_per_day"]
+        rows += [
+            ("percentage used", f"{s['percentage_used']} %"
+             + (f"  (trend: {per30 * 30:+.2f} points / 30 days over the last {t['days']:.1f} days)"
+                if per30 is not None else "  (trend: needs SMART readings an hour apart)")),
+            ("available spare", f"{s['available_spare']} % (threshold {s['available_spare_threshold']} %)"),
+            ("data written / read", f"{s['data_units_written']} / {s['data_units_read']} units of 512000 bytes "
+                                    f"({size(s['data_written_bytes'])} / {size(s['data_read_bytes'])})"),
+            ("host write / read commands", f"{s['host_write_commands']} / {s['host_read_commands']}"),
+            ("media errors", str(s["media_errors"])),
+            ("critical warning", f"0x{s['critical_warning']:02x}" + ("" if not s["critical_warning"] else "  (!)")),
+            ("temperature", f"{s['temperature_celsius']} C ({s['temperature_kelvin']} K)"),
+            ("power-on hours", str(s["power_on_hours"])),
+        ]
+        if e["bytes"] is None:
+            rows.append(("days left", f"unknown: {e['why']}"))
+        else:
+            rate = e["rate_bytes_per_day"]
+            basis = {"smart_trend": "the SMART trend", "lifetime_average": "the drive's lifetime average"}
+            rows.append(("days left", _days(e["days_left"])
+                         + f"  (rated {size(e['bytes'])} from {e['source']}, written {size(e['written_bytes'])}"
+                         + (f", at {size(int(rate))}/day by {basis.get(e['rate_basis'], e['rate_basis'])})"
+                            if rate else f"; {e['why']})")))
+        if e["days_left_by_percentage_used"] is not None:
+            rows.append(("days left by percentage used", _days(e["days_left_by_percentage_used"])))
+    kv(rows)
+
+
+@click.command(cls=Command)
+@global_options
+def wear() -> None:
+    """What bladed wrote to the device today and since install, the write budget, the drive's wear and days left.
+
+    Written by bladed: its own commands on the direct path (requests, live demotions, extent moves, retained
+    prefixes), from the wear ledger in the state directory. The drive's figures come from its NVMe SMART /
+    Health log (nvme backend); on block and file backends the kernel's count of written bytes is all there is.
+    """
+    emit(call(lambda c: c.wear()), _wear_report)
+
+
 @click.command(cls=Command)
 @global_options
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
@@ -296,4 +385,4 @@ def prefixes_evict(entry: str | None, every: bool) -> None:
 
 
 #: the commands, for the root group
-COMMANDS = (status, sessions, stats, budget, prefixes, trim)
+COMMANDS = (status, sessions, stats, budget, wear, prefixes, trim)

@@ -9,10 +9,11 @@ Backends: :mod:`bladed.io.nvme` (NVMe generic char device, io_uring_cmd),
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from bladed._uring import ffi, lib
@@ -174,6 +175,25 @@ class Engine:
             else:
                 _log_fixed_unsupported(device)
         self._suffix = f" on {device.path}"
+        #: bytes of the write commands this engine completed without error, by :attr:`label`: what it wrote to
+        #: the device (whole LBAs, edges included), read by the daemon's wear counters
+        self.written: dict[str, int] = {}
+        #: what the writes are for (:meth:`labelled`); ``requests`` unless a caller says otherwise
+        self.label = "requests"
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """Count the writes completed inside the block under ``label`` (a demotion's copy, an extent's move)."""
+        previous, self.label = self.label, label
+        try:
+            yield
+        finally:
+            self.label = previous
+
+    def _count(self, done: Iterable[Transfer]) -> None:
+        n = sum(x.nbytes for x in done if x.op is Op.WRITE and x.ok)
+        if n:
+            self.written[self.label] = self.written.get(self.label, 0) + n
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -228,7 +248,9 @@ class Engine:
 
     def wait(self, min_done: int = 1) -> list[Transfer]:
         """Completed transfers (at least ``min_done`` unless fewer are outstanding)."""
-        return self.ring.wait(min_done)
+        done = self.ring.wait(min_done)
+        self._count(done)
+        return done
 
     @property
     def outstanding(self) -> int:
@@ -243,6 +265,7 @@ class Engine:
     def run(self, xfers: Iterable[Transfer], *, check: bool = True) -> list[Transfer]:
         """Run prepared transfers back to back with the queue kept full; raise the first error."""
         done = self.ring.run(xfers)
+        self._count(done)
         if check:
             for x in done:
                 x.raise_for_status()

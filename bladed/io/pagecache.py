@@ -11,6 +11,14 @@ served from the page cache.
 Files are created lazily on first access (the "materialize" step of §IV-A)
 and their blocks reserved with ``fallocate``, so that a full filesystem shows
 as an error at that point and never as a SIGBUS in the middle of a copy.
+
+A *memory* store (``PageCacheStore(None, memory=True)``) keeps its files in
+memory (``memfd_create``: shmem, no directory, no disk): the kernel never
+writes their pages back, so KV planned to stay in memory costs the drive
+nothing, and they go with the process; but the kernel cannot reclaim them
+either (without swap), so the daemon's live demotion is their eviction path.
+``fallocate`` charges their memory at once, so a memory cgroup without room
+refuses it there (ENOMEM / ENOSPC) and never in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -103,13 +111,15 @@ def _address(obj: Any, nbytes: int, offset: int, writable: bool) -> tuple[int, A
 
 
 class PageCacheFile:
-    """One KPU's file on the page-cache path: mmap'd, materialized on first access."""
+    """One KPU's file on the page-cache path: mmap'd, materialized on first access (in memory for a memory
+    store: its :attr:`path` is then ``memfd:<name>``, a name for messages only)."""
 
     def __init__(self, store: PageCacheStore, name: str, nbytes: int) -> None:
         self.store = store
         self.name = name
         self.nbytes = nbytes
-        self.path = os.path.join(store.directory, name + SUFFIX)
+        self.memory = store.memory
+        self.path = f"memfd:{name}" if store.memory else os.path.join(store.directory, name + SUFFIX)
         self.fd = -1
         self._mm: mmap.mmap | None = None
         self._cbuf: Any = None
@@ -137,10 +147,14 @@ class PageCacheFile:
                 return
             if self._closed:
                 raise BladedIOError(errno.EBADF, f"{self.path}: file is closed")
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if self.memory:
+                fd = os.memfd_create(f"bladed-kv-{self.name}", os.MFD_CLOEXEC)
+            else:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                # reserved (a full filesystem is an error here, not in the middle of a request), and measured
-                # faster than a sparse file for the prefill's writes (1.36 vs 1.82 s, docs/benchmarks.md)
+                # reserved (a full filesystem, or a memory cgroup without room for a memory file, is an error
+                # here, not a SIGBUS in the middle of a request), and measured faster than a sparse file for the
+                # prefill's writes (1.36 vs 1.82 s, docs/benchmarks.md)
                 ret = lib.bd_fallocate(fd, 0, 0, self.nbytes)
                 if ret == -errno.EOPNOTSUPP:
                     os.ftruncate(fd, self.nbytes)
@@ -149,8 +163,9 @@ class PageCacheFile:
                 mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except BaseException:
                 os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
+                if not self.memory:
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)
                 raise
             self.fd = fd
             self._cbuf = ffi.from_buffer(mm)
@@ -296,6 +311,8 @@ class PageCacheFile:
         """
         if self._mm is None:
             return
+        if self.memory:   # its pages are the only copy of the KV: a memory file is demoted, never dropped
+            raise BladedIOError(errno.EINVAL, f"{self.path}: a memory file's pages cannot be dropped")
         n = self.nbytes - offset if nbytes is None else nbytes
         self._bounds(offset, n)
         start = offset - offset % PAGE_SIZE
@@ -336,7 +353,7 @@ class PageCacheFile:
                 self._mm = None
                 self._base = 0
             if self.fd >= 0:
-                if unlink:
+                if unlink and not self.memory:
                     # the KV goes with the file: truncating drops its pages, dirty ones too, without writing them
                     # back (fadvise(DONTNEED), used before, first writes every dirty page to disk: a closed
                     # 2 GiB session cost 2 GiB of disk writes) and frees its blocks now
@@ -344,7 +361,7 @@ class PageCacheFile:
                         os.ftruncate(self.fd, 0)
                 os.close(self.fd)
             self.fd = -1
-        if unlink:
+        if unlink and not self.memory:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         self.store._forget(self)
@@ -365,18 +382,16 @@ class PageCacheStore:
 
     The directory is locked (``flock`` on ``.lock``) so two daemons never share
     it; files with the store's suffix left by a previous run are removed when
-    the lock is taken.
+    the lock is taken. ``memory``: the files are in memory (module docstring) and ``directory`` is None:
+    there is nothing to lock or clean up, memory files go with the process.
     """
 
-    def __init__(self, directory: str, *, clean_stale: bool = True) -> None:
-        self.directory = os.path.abspath(os.fspath(directory))
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self._lockfd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lockfd)
-            raise BladedIOError(errno.EBUSY, f"{self.directory} is in use by another page-cache store") from None
+    def __init__(self, directory: str | None, *, clean_stale: bool = True, memory: bool = False) -> None:
+        if (directory is None) != memory:
+            raise ValueError("a memory store has no directory, a disk store needs one")
+        self.memory = memory
+        self.directory = "" if directory is None else os.path.abspath(os.fspath(directory))
+        self._lockfd = -1
         self._lock = threading.Lock()
         self._files: dict[str, PageCacheFile] = {}
         self.reads = 0
@@ -384,10 +399,22 @@ class PageCacheStore:
         self.bytes_hit = 0
         self.bytes_written = 0
         self.bytes_dropped = 0
+        self.stale_removed = 0
+        if memory:
+            return
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self._lockfd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lockfd)
+            raise BladedIOError(errno.EBUSY, f"{self.directory} is in use by another page-cache store") from None
         self.stale_removed = self.cleanup_stale() if clean_stale else 0
 
     def cleanup_stale(self) -> int:
         """Remove KV files not open in this store (left by a crashed run); return how many."""
+        if self.memory:
+            return 0
         removed = 0
         with self._lock:
             live = {f.path for f in self._files.values()}
@@ -446,6 +473,7 @@ class PageCacheStore:
         with self._lock:
             return {
                 "directory": self.directory,
+                "memory": self.memory,
                 "files": len(self._files),
                 "materialized": sum(1 for f in self._files.values() if f.materialized),
                 "reads": self.reads,

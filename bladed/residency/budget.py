@@ -7,8 +7,8 @@ as bladed computes them (docs/architecture.md, "The page-cache budget"):
 
     M_mapped = max(0, M_file,mapped - M_shmem - M_kv)
     M_free   = headroom * M_max      (where a cgroup limit gives M_max; else 0)
-    M*   = min(M_avail, M_max - M_anon+shmem - M_mapped - M_free)
-    M_pin,uncharged = N_threads * M_pin + max(0, M_pin,others - M_shmem)
+    M*   = min(M_avail + M_kv,mem, M_max - (M_anon+shmem - M_kv,mem) - M_mapped - M_free)
+    M_pin,uncharged = N_threads * M_pin + max(0, M_pin,others - (M_shmem - M_kv,mem))
     B_pc = max(0, M* - M_pin,uncharged) / (1 + k_kernel)
 
 ``M_mapped`` is the page cache the cgroup's processes map that is neither
@@ -23,6 +23,13 @@ term names (the session's page tables and slab, the processes' heaps, the
 kernel's per-CPU charge batches): without it, a cgroup whose Group 1 reached
 its limit reclaimed on every one-token append (docs/bench/HISTORY.md, "Issue 31
 evening").
+
+``M_kv,mem`` is bladed's own KV in memory files (Dual-Blade's Group 1 with
+``pagecache.backing = "memory"``): shmem, charged to the cgroup and missing
+from MemAvailable, yet the very KV ``B_pc`` is for, so it is taken out of
+``M_anon+shmem`` and given back to ``M_avail`` (without it, a session's own
+Group 1 would shrink the budget it was planned in, and live re-planning would
+demote it).
 
 The open sessions' staging (``M_pin,others``) is shmem once the daemon has
 touched it, so it is counted once; the staging of the session being planned
@@ -106,7 +113,8 @@ class BudgetBreakdown:
     kernel_overhead: float = 0.0     # k_kernel: kernel memory charged per byte of page cache
     mapped_bytes: int = 0            # M_mapped (Eq. 1 as bladed computes it): mapped page cache kept resident
     file_mapped_bytes: int = 0       # M_file,mapped: page cache mapped into the cgroup's processes, shmem included
-    own_kv_bytes: int = 0            # M_kv: page cache of bladed's own KV files (sessions' Group 1, retained prefixes)
+    own_kv_bytes: int = 0            # M_kv: page cache of bladed's own KV files on disk (Group 1, retained prefixes)
+    own_kv_memory_bytes: int = 0     # M_kv,mem: bladed's own KV in memory files (shmem: Group 1 in memory)
     headroom: float = 0.0            # the fraction of a cgroup's limit kept free
     free_bytes: int = 0              # M_free (Eq. 1 as bladed computes it): headroom * M_max where a cgroup limits
 
@@ -122,7 +130,7 @@ class BudgetBreakdown:
                      pinned_elsewhere_bytes: int) -> BudgetBreakdown:
         """Eq. 2 of this same reading for other staging terms (a new session's ``N_threads`` and ``M_pin``,
         the open sessions' ``M_pin,others``): Eq. 1's figures are kept, nothing is read again."""
-        uncharged, computed, b_pc = _eq2(self.usable_bytes, self.shmem_bytes, copy_threads,
+        uncharged, computed, b_pc = _eq2(self.usable_bytes, self.shmem_bytes - self.own_kv_memory_bytes, copy_threads,
                                          pinned_per_thread_bytes, pinned_elsewhere_bytes, self.kernel_overhead,
                                          self.override_bytes, self.cap_bytes)
         return replace(self, copy_threads=copy_threads, pinned_per_thread_bytes=pinned_per_thread_bytes,
@@ -182,7 +190,8 @@ class Budgeter:
     ``kernel_overhead`` the kernel memory charged per byte of page cache,
     ``headroom`` the fraction of a cgroup's limit left free, and
     ``own_kv_bytes()`` the page cache of bladed's own KV files now (``M_kv``;
-    none without it) (module docstring).
+    none without it), ``own_kv_memory_bytes()`` its KV in memory files
+    (``M_kv,mem``) (module docstring).
     """
 
     def __init__(self, copy_threads: int, pinned_per_thread_bytes: int, override_bytes: int | None = None,
@@ -191,7 +200,7 @@ class Budgeter:
                  mem_total: Callable[[], int] | None = None, hysteresis_bytes: int = 32 << 20,
                  pressure_level: str = "medium", pinned_elsewhere_bytes: int = 0,
                  kernel_overhead: float = 0.0, own_kv_bytes: Callable[[], int] | None = None,
-                 headroom: float = 0.0) -> None:
+                 headroom: float = 0.0, own_kv_memory_bytes: Callable[[], int] | None = None) -> None:
         if copy_threads < 0 or pinned_per_thread_bytes < 0 or pinned_elsewhere_bytes < 0:
             raise ValueError(f"copy_threads, pinned_per_thread_bytes and pinned_elsewhere_bytes must be >= 0, got "
                              f"{copy_threads}, {pinned_per_thread_bytes} and {pinned_elsewhere_bytes}")
@@ -209,6 +218,7 @@ class Budgeter:
         self.pinned_elsewhere_bytes = pinned_elsewhere_bytes
         self.kernel_overhead = kernel_overhead
         self.own_kv_bytes = own_kv_bytes
+        self.own_kv_memory_bytes = own_kv_memory_bytes
         self.headroom = headroom
         self.override_bytes = override_bytes
         self.cap_bytes = cap_bytes
@@ -239,16 +249,19 @@ class Budgeter:
         reading = read_memory(info, self.proc_root)
         # after the cgroup's figures: KV pages mapped in between count as ours, never as the processes' own
         own_kv = max(0, self.own_kv_bytes()) if self.own_kv_bytes is not None else 0
-        m_avail = self._mem_available()
+        # the KV's own memory files are shmem of the cgroup (at most all of it) and not in MemAvailable
+        own_mem = min(reading.shmem, max(0, self.own_kv_memory_bytes())) if self.own_kv_memory_bytes else 0
+        m_avail = self._mem_available() + own_mem
         mem_total = self._mem_total()
         limited = reading.limit is not None and reading.limit < mem_total
         m_max = reading.limit if (reading.limit is not None and limited) else mem_total
-        m_anon_shmem = reading.anon + reading.shmem
+        m_anon_shmem = reading.anon + reading.shmem - own_mem
         m_mapped = max(0, reading.mapped - reading.shmem - own_kv)
         m_free = int(self.headroom * m_max) if limited else 0
         cg_side = m_max - m_anon_shmem - m_mapped - m_free
         m_star = min(m_avail, cg_side)                                     # Eq. 1
-        uncharged, computed, b_pc = _eq2(m_star, reading.shmem, self.copy_threads, self.pinned_per_thread_bytes,
+        uncharged, computed, b_pc = _eq2(m_star, reading.shmem - own_mem, self.copy_threads,
+                                         self.pinned_per_thread_bytes,
                                          self.pinned_elsewhere_bytes, self.kernel_overhead, self.override_bytes,
                                          self.cap_bytes)                   # Eq. 2
         b = BudgetBreakdown(
@@ -262,7 +275,7 @@ class Budgeter:
             binding="host_available" if m_avail <= cg_side else "cgroup", reason=reason,
             pinned_elsewhere_bytes=self.pinned_elsewhere_bytes, pinned_uncharged_bytes=uncharged,
             kernel_overhead=self.kernel_overhead, mapped_bytes=m_mapped, file_mapped_bytes=reading.mapped,
-            own_kv_bytes=own_kv, headroom=self.headroom, free_bytes=m_free,
+            own_kv_bytes=own_kv, own_kv_memory_bytes=own_mem, headroom=self.headroom, free_bytes=m_free,
         )
         with self._lock:
             self._last = b
@@ -282,12 +295,15 @@ class Budgeter:
 
     # -- the re-sampling thread ------------------------------------------------------
     def start(self, interval_s: float = 5.0, on_change: SampleCallback | None = None, *,
-              on_sample: SampleCallback | None = None) -> None:
+              on_sample: SampleCallback | None = None, held_bytes: Callable[[], int] | None = None) -> None:
         """Re-sample every ``interval_s`` and at once on memory pressure.
 
         ``on_change`` runs (in the thread) when ``B_pc`` moved by at least
-        ``hysteresis_bytes`` since the last reported value; ``on_sample``
-        after every sample.
+        ``hysteresis_bytes`` since the last reported value, or fell below
+        ``held_bytes()`` (what the live sessions hold: a shrink smaller than the
+        hysteresis that leaves them over the budget is acted on too, or KV in
+        memory files, which the kernel cannot reclaim, would meet the OOM killer
+        first); ``on_sample`` after every sample.
         """
         if self._thread is not None:
             raise RuntimeError("budgeter already started")
@@ -297,7 +313,8 @@ class Budgeter:
         srcs = self._arm_sources()
         self.sources = [s.name for s in srcs]
         first = self.sample("start")
-        self._thread = threading.Thread(target=self._run, args=(interval_s, on_change, on_sample, srcs, first),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(interval_s, on_change, on_sample, srcs, first, held_bytes),
                                         name="bladed-budget", daemon=True)
         self._thread.start()
 
@@ -375,7 +392,7 @@ class Budgeter:
         return _Source(f"psi:{path}", fd, select.POLLPRI, [fd])
 
     def _run(self, interval_s: float, on_change: SampleCallback | None, on_sample: SampleCallback | None,
-             srcs: list[_Source], first: BudgetBreakdown) -> None:
+             srcs: list[_Source], first: BudgetBreakdown, held_bytes: Callable[[], int] | None) -> None:
         poller = select.poll()
         poller.register(self._stop_r, select.POLLIN)
         by_fd = {}
@@ -420,7 +437,9 @@ class Budgeter:
                 next_due = last_sample + interval_s
                 if on_sample is not None:
                     on_sample(b)
-                if on_change is not None and abs(b.pagecache_budget_bytes - reported) >= self.hysteresis_bytes:
+                over = held_bytes is not None and b.pagecache_budget_bytes < held_bytes()
+                moved = abs(b.pagecache_budget_bytes - reported) >= self.hysteresis_bytes
+                if on_change is not None and (over or moved):
                     previous, reported = reported, b.pagecache_budget_bytes
                     self.stats["changes"] += 1
                     # routine drift of MemAvailable is a DEBUG line; a move on memory pressure is news

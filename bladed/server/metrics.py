@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,6 +60,10 @@ REFUSALS = ("not_allowed", "too_many")
 #: why a retained prefix is evicted (bladed.server.prefixes.cache): known up front, so they start at 0 too
 PREFIX_EVICTIONS = ("device_quota", "pagecache_quota", "live_session", "region_full", "superseded", "requested",
                     "unverified", "integrity_error", "io_error")
+#: what bladed's own write commands to the device were for (``Engine.labelled``): a session's requests (the
+#: lane's and the general path's, edge LBAs included), live demotions' copies, extent moves, retained prefixes'
+#: copies (into an entry, and out of one into a session)
+WRITE_CAUSES = ("requests", "demotion", "extent_move", "prefix")
 
 
 class Stats:
@@ -99,6 +103,9 @@ class Stats:
         self.prefix_shared_published = 0
         self.prefix_shared_rejected = 0
         self.prefix_shared_errors = 0
+        #: bytes bladed's own write commands wrote to the device, by cause (WRITE_CAUSES), of channels done
+        #: (:meth:`fold_lane`, :meth:`count_written`); :meth:`direct_written` adds the live channels'
+        self._written_done = dict.fromkeys(WRITE_CAUSES, 0)
         #: the LABELLED counters by label value; the refusal reasons are known up front, so they start at 0
         self.by_label: dict[str, dict[str, int]] = {name: {} for name in LABELLED}
         self.by_label["connections_refused"] = dict.fromkeys(REFUSALS, 0)
@@ -133,6 +140,20 @@ class Stats:
                 self._lanes.discard(channel)
                 self.pagecache_read_bytes, self.pagecache_hit_bytes = _add_lane(
                     self.io, channel.counters, self.pagecache_read_bytes, self.pagecache_hit_bytes)
+                _add_written(self._written_done, channel_written(channel))
+
+    def count_written(self, written: Mapping[str, int]) -> None:
+        """Add what a channel nobody watches wrote (a retained prefix's private copy channel, when it closes)."""
+        with self._lock:
+            _add_written(self._written_done, written)
+
+    def direct_written(self) -> dict[str, int]:
+        """Bytes bladed's own write commands wrote to the device since the daemon started, by cause."""
+        with self._lock:
+            out = dict(self._written_done)
+            for ch in self._lanes:
+                _add_written(out, channel_written(ch))
+            return out
 
     def _totals(self) -> tuple[dict[tuple[str, str], PathCounters], int, float]:
         """The io counters and page-cache read/hit bytes with the live lanes' added (the caller holds the lock)."""
@@ -166,9 +187,12 @@ class Stats:
             return hit / read if read else None
 
     def snapshot(self) -> dict[str, Any]:
+        written = self.direct_written()
         with self._lock:
             io, read, hit = self._totals()
             return {
+                "direct_written_bytes": sum(written.values()),
+                "direct_written_by_cause": written,
                 "io": {p: {o: io[(p, o)].to_dict() for o in OPS} for p in PATHS},
                 "pagecache": {"read_bytes": read, "hit_bytes": int(hit), "hit_ratio": hit / read if read else None},
                 "trimmed_bytes": self.trimmed_bytes,
@@ -197,6 +221,25 @@ class Stats:
             return {k: (list(v.buckets), v.latency_sum_s) for k, v in self._totals()[0].items()}
 
 
+def channel_written(channel: Any) -> dict[str, int]:
+    """What a channel wrote to the device by cause: its engine's write commands (``Engine.written``) and the
+    lane's direct-path writes (whole LBAs: the lane serves only KPUs of whole-LBA rows), as ``requests``."""
+    out = dict(channel.engine.written)
+    out["requests"] = out.get("requests", 0) + int(channel.counters.bytes[lib.BD_PATH_DIRECT][1])
+    return out
+
+
+def channel_kv_written(channel: Any) -> dict[str, int]:
+    """KV bytes the lane of a channel wrote, per path (the general path's are the session's to count)."""
+    c = channel.counters
+    return {_PAGECACHE: int(c.bytes[lib.BD_PATH_PAGECACHE][1]), _DIRECT: int(c.bytes[lib.BD_PATH_DIRECT][1])}
+
+
+def _add_written(into: dict[str, int], written: Mapping[str, int]) -> None:
+    for cause, n in written.items():
+        into[cause] = into.get(cause, 0) + n
+
+
 def _add_lane(io: dict[tuple[str, str], PathCounters], c: Any, read: int, hit: float) -> tuple[int, float]:
     """Add a lane's C counters (per path, ``enum bd_gate_path``; per op, index 0 read, 1 write) to ``io``;
     returns the page-cache read/hit bytes plus its."""
@@ -213,4 +256,5 @@ def _add_lane(io: dict[tuple[str, str], PathCounters], c: Any, read: int, hit: f
     return read + c.pagecache_read_bytes, hit + c.pagecache_hit_bytes
 
 
-__all__ = ["LABELLED", "LATENCY_BOUNDS_NS", "LATENCY_BUCKETS", "OPS", "PATHS", "PathCounters", "Stats"]
+__all__ = ["LABELLED", "LATENCY_BOUNDS_NS", "LATENCY_BUCKETS", "OPS", "PATHS", "WRITE_CAUSES", "PathCounters", "Stats",
+           "channel_kv_written", "channel_written"]

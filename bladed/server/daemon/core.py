@@ -37,6 +37,7 @@ from bladed.server.daemon.exporter import Collector, MetricsServer
 from bladed.server.daemon.lifecycle import open_store_device, reclaim
 from bladed.server.daemon.preflight import check_paths
 from bladed.server.daemon.systemd import sd_notify, setup_logging
+from bladed.server.daemon.wear_watch import WearWatch
 from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
 from bladed.server.sessions.budget_reading import REQUEST_MAX_AGE_S
@@ -70,6 +71,7 @@ class Daemon:
         self.device: ExtentDevice
         self.allocator: ExtentAllocator
         self.manager: SessionManager
+        self.wear: WearWatch
         self.listener: socket.socket | None = None
         self.metrics: MetricsServer | None = None
         self._conns: set[Connection] = set()
@@ -96,7 +98,10 @@ class Daemon:
             with _naming("daemon.pagecache_dir", cfg.pagecache_dir):
                 os.makedirs(cfg.pagecache_dir, mode=0o750, exist_ok=True)
             kept = reclaim(cfg, self.device, self.allocator, self.journal, self.stats)
-            self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats)
+            # what bladed writes, today and since install, and the drive's own figures (docs/operations.md, "Wear")
+            self.wear = WearWatch(cfg, self.device, self.stats)
+            self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats,
+                                          self.wear.ledger)
             # retained prefixes of the last run: served only if every checksum verifies (bladed.server.prefixes.cache)
             self.manager.prefixes.restore(kept)
             with _naming("socket.path", cfg.socket_path):
@@ -113,6 +118,7 @@ class Daemon:
             raise
         # keep re-sampling B_pc and demote live sessions' KPUs when it shrinks (bladed.server.sessions.replan)
         self.manager.replanner.start()
+        self.wear.start()
         desc = self.device.describe()
         engine = self.device.engine_choice
         # once, with the reason: an operator reading why a box runs without io_uring finds it here
@@ -276,7 +282,12 @@ class Daemon:
                 "lba_size": self.device.lba_size,
                 "budget": budget | {"held_bytes": self.manager.ledger.held_bytes},
                 "replan": self.manager.replanner.to_dict(),
-                "prefixes": self.manager.prefixes.gauges()}
+                "prefixes": self.manager.prefixes.gauges(),
+                "wear": self.wear.gauges()}
+
+    def wear_report(self) -> dict[str, Any]:
+        """The ``wear`` op: bladed's writes today and since install, the write budget, the drive's figures."""
+        return self.wear.report()
 
     def budget(self) -> dict[str, Any]:
         """The ``budget`` op: a reading measured for it (``REQUEST_MAX_AGE_S``), the ledger and each session's."""
@@ -369,6 +380,7 @@ class Daemon:
             c.thread.join()
         self.manager.replanner.stop()
         self.manager.close_all("shutdown")
+        self.wear.stop()       # the ledger's last write, with the sessions' counts in
         # retained prefixes stay on storage, and in the journal, for the next start
         self.manager.prefixes.close()
         if self.metrics is not None:

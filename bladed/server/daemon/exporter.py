@@ -19,7 +19,8 @@ from prometheus_client.exposition import MetricsHandler
 
 from bladed import __version__
 from bladed.protocol import PROTOCOL_VERSION
-from bladed.server.metrics import LABELLED, LATENCY_BUCKETS, OPS, PATHS, Stats
+from bladed.server.metrics import LABELLED, LATENCY_BUCKETS, OPS, PATHS, WRITE_CAUSES, Stats
+from bladed.server.wear import SPILLS
 
 #: the unlabelled counters of :class:`Stats`: (stat, help)
 _COUNTERS = (
@@ -87,6 +88,67 @@ _PREFIX_GAUGES = (
     ("bladed_prefix_retained_device_bytes", "device_bytes", "Device bytes the retained prefixes hold"),
 )
 
+#: the drive's SMART / Health log (nvme backend): (metric, key of SmartLog.to_dict(), counter?, scale, help)
+_SMART = (
+    ("bladed_nvme_critical_warning", "critical_warning", False, 1,
+     "The drive's critical warning bits (0 spare, 1 temperature, 2 reliability, 3 read-only, 4 backup)"),
+    ("bladed_nvme_temperature_celsius", "temperature_celsius", False, 1, "The drive's composite temperature"),
+    ("bladed_nvme_available_spare", "available_spare", False, 1, "The drive's available spare, percent"),
+    ("bladed_nvme_available_spare_threshold", "available_spare_threshold", False, 1,
+     "The available spare below which the drive warns, percent"),
+    ("bladed_nvme_percentage_used", "percentage_used", False, 1,
+     "The drive's estimate of its rated life used, percent (may pass 100)"),
+    ("bladed_nvme_data_written_bytes", "data_written_bytes", True, 1,
+     "Bytes written to the drive by every host writer (data units written x 512000)"),
+    ("bladed_nvme_data_read_bytes", "data_read_bytes", True, 1, "Bytes read from the drive (data units x 512000)"),
+    ("bladed_nvme_host_write_commands", "host_write_commands", True, 1, "Write commands the drive completed"),
+    ("bladed_nvme_host_read_commands", "host_read_commands", True, 1, "Read commands the drive completed"),
+    ("bladed_nvme_media_errors", "media_errors", True, 1, "Unrecovered data integrity errors the drive counted"),
+    ("bladed_nvme_power_on_seconds", "power_on_hours", True, 3600, "The drive's power-on time (whole hours)"),
+)
+
+
+def _wear_families(wear: dict[str, Any]) -> Iterator[Metric]:
+    """What bladed wrote today and since install, the write budget, the kernel's counts, the drive's figures."""
+    for metric, key, doc in (
+            ("bladed_wear_written_today_bytes", "today",
+             "Bytes bladed's own commands wrote to the store device today (UTC), by cause (the wear ledger)"),
+            ("bladed_wear_written_since_install_bytes", "since_install",
+             "Bytes bladed's own commands wrote to the store device since the wear ledger began, by cause")):
+        fam = GaugeMetricFamily(metric, doc, labels=["cause"])
+        for cause in WRITE_CAUSES:
+            fam.add_metric([cause], wear[key].get(cause, 0))
+        yield fam
+    yield GaugeMetricFamily("bladed_write_budget_bytes", "io.write_budget: bytes a UTC day bladed may write to the "
+                            "device before new direct-path spills are refused (0: no budget)",
+                            value=wear["write_budget_bytes"])
+    refused = CounterMetricFamily("bladed_write_budget_refusals", "New direct-path spills refused because "
+                                  "io.write_budget was spent, by what they were", labels=["what"])
+    for what in SPILLS:
+        refused.add_metric([what], wear["refusals"].get(what, 0))
+    yield refused
+    kernel = CounterMetricFamily("bladed_device_written_bytes", "Bytes the kernel says the block device holding "
+                                 "the store / the page-cache directory wrote since the daemon started, all writers "
+                                 "(/sys/block/DEV/stat; no NVMe passthrough unless queue/iostats_passthrough)",
+                                 labels=["role", "device"])
+    for role, k in sorted(wear["kernel"].items()):
+        if k.get("device") and k.get("written_bytes") is not None:
+            kernel.add_metric([role, k["device"]], k["written_bytes"])
+    if kernel.samples:
+        yield kernel
+    smart = wear.get("smart")
+    if smart is not None:
+        for metric, key, counter, scale, doc in _SMART:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            yield family(metric, doc, value=smart[key] * scale)
+    if wear.get("endurance_bytes") is not None:
+        yield GaugeMetricFamily("bladed_endurance_bytes", "The drive's rated bytes written (device.endurance_tbw, "
+                                "or the drive's endurance estimate)", value=wear["endurance_bytes"])
+    if wear.get("days_left") is not None:
+        yield GaugeMetricFamily("bladed_wear_days_left", "Days until the drive's rated bytes written are reached "
+                                "at the current rate", value=wear["days_left"])
+
+
 class Collector:
     """Prometheus view of the daemon (docs/operations.md, "Metrics"): counters from :class:`Stats`,
     and ``gauges()`` for the live values (sessions, extents, budget terms)."""
@@ -132,6 +194,11 @@ class Collector:
             for label, n in sorted(snap[f"{name}_by_{LABELLED[name]}"].items()):
                 fam.add_metric([label], n)
             yield fam
+        written = CounterMetricFamily("bladed_direct_written_bytes", "Bytes bladed's own write commands wrote to "
+                                      "the store device (whole LBAs, edges included), by cause", labels=["cause"])
+        for cause in WRITE_CAUSES:
+            written.add_metric([cause], snap["direct_written_by_cause"].get(cause, 0))
+        yield written
 
         live = self.gauges()
         engine = GaugeMetricFamily("bladed_io_engine_info", "The engine that moves the store's bytes (value 1): "
@@ -177,6 +244,8 @@ class Collector:
         yield samples
         yield CounterMetricFamily("bladed_pagecache_budget_changes", "Moves of B_pc past the hysteresis that live "
                                   "re-planning applied", value=replan.get("budget_samples", {}).get("changes", 0))
+        if "wear" in live:
+            yield from _wear_families(live["wear"])
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

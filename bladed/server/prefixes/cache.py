@@ -40,6 +40,7 @@ from bladed.server.storage.channel import Channel
 from bladed.server.storage.journal import READY, WRITING, Journal, RetainedRecord
 from bladed.server.storage.pagecache_store import RETAINED_DIR_PREFIX
 from bladed.server.storage.release import scrub_and_free
+from bladed.server.wear import WearLedger
 
 log = logging.getLogger("bladed.prefix")
 
@@ -48,8 +49,10 @@ class PrefixCache:
     """The retained prefixes of one daemon: lookup, retain, eviction, persistence."""
 
     def __init__(self, cfg: Config, device: ExtentDevice, allocator: ExtentAllocator, journal: Journal,
-                 stats: Stats) -> None:
+                 stats: Stats, wear: WearLedger | None = None) -> None:
         self.cfg = cfg
+        #: the daemon's wear ledger: a retained prefix on the device is a new direct-path spill (io.write_budget)
+        self.wear = wear
         self.device = device
         self.allocator = allocator
         self.journal = journal
@@ -93,6 +96,14 @@ class PrefixCache:
 
     def _copy_channel(self, geometry: Geometry) -> Channel:
         return copy_channel(self.device, self.cfg.io.queue_depth, self.cfg.io.read_window_bytes, geometry)
+
+    def _close_channel(self, ch: Channel, into: SessionKV | None = None) -> None:
+        """Close a private copy channel; what it wrote counts, for the session it copied into too."""
+        written = dict(ch.engine.written)
+        ch.close()
+        self.stats.count_written(written)
+        if into is not None:
+            into.count_written(written)
 
     # -- lookup and copy into a new session ---------------------------------------------------
     def lookup(self, geometry: Geometry, peer: Peer, raw: Any) -> Lookup:
@@ -152,7 +163,7 @@ class PrefixCache:
         try:
             n = write_blocks(sess, found.remote, self.block_tokens, ch)
         finally:
-            ch.close()
+            self._close_channel(ch, sess)
         self.stats.add("prefix_hits")
         self.stats.add("prefix_shared_hits")
         self.stats.add("prefix_reused_tokens", n)
@@ -167,7 +178,7 @@ class PrefixCache:
             with entry.copy_lock:
                 bad = copy_out(entry, sess, blocks, ch)
         finally:
-            ch.close()
+            self._close_channel(ch, sess)
         if bad is not None:
             if bad == "integrity_error":
                 self.stats.add("integrity_errors")
@@ -238,12 +249,18 @@ class PrefixCache:
             # Algorithm 1's knob for the entry: what the quota and the live sessions' budget leave
             return max(0, min(pr.pagecache_bytes - self.pagecache_bytes, self.pagecache_room()))
 
+        # io.write_budget spent: an entry that needs the device even with every other entry's page cache is
+        # refused before any entry is evicted for it
+        best = max(0, min(pr.pagecache_bytes, self.pagecache_room() + self.pagecache_bytes))
+        self._check_spill(plan_session(geometry, Mode.DUALBLADE, best, lba).extent_blocks * lba)
+
         # the newest prefix is the hottest: older ones leave the page cache for it (least recently used first)
         while grant() < geometry.kv_bytes and self.index.evict_lru("pagecache_quota", lambda e: e.pagecache_bytes > 0):
             pass
         g = grant()
         plan = plan_session(geometry, Mode.DUALBLADE, g, lba)
         need = plan.extent_blocks * lba
+        self._check_spill(need)
         if need > pr.device_bytes:
             raise RequestError(ErrorCode.QUOTA_EXCEEDED,
                                f"retaining {geometry.max_tokens} tokens needs {need} device bytes, more than "
@@ -269,6 +286,12 @@ class PrefixCache:
         log.debug("retaining %d tokens of session %s as %s", geometry.max_tokens, sid, eid)
         return entry
 
+    def _check_spill(self, device_bytes: int) -> None:
+        """Refuse a retain that writes ``device_bytes`` to the device once io.write_budget is spent today."""
+        if device_bytes and self.wear is not None:
+            self.wear.check_spill("prefix", f"retaining a prefix with {device_bytes} bytes on the device",
+                                  self.cfg.io.write_budget)
+
     def _allocate(self, blocks: int, owner: str) -> Extent:
         while True:
             try:
@@ -284,7 +307,7 @@ class PrefixCache:
         try:
             copy_in(entry, sess, ch, blocks_out)
         finally:
-            ch.close()
+            self._close_channel(ch)
         # on storage before the journal calls it ready: a crash after this point keeps a whole entry
         entry.pagecache.sync()
         np.ascontiguousarray(entry.crcs).tofile(crc_path(self.cfg.state_dir, entry.id))
@@ -378,7 +401,7 @@ class PrefixCache:
         try:
             verify(entry, ch)
         finally:
-            ch.close()
+            self._close_channel(ch)
 
     def close(self) -> None:
         """A clean stop: unmap every entry, keeping its storage and journal record for the next start."""

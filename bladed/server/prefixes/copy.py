@@ -20,13 +20,15 @@ log = logging.getLogger("bladed.prefix")
 
 
 def copy_channel(device: ExtentDevice, queue_depth: int, read_window_bytes: int, geometry: Geometry) -> Channel:
-    """A private ring and staging slot of one KPU of ``geometry``."""
+    """A private ring and staging slot of one KPU of ``geometry``; what it writes counts as ``prefix``."""
     slot = StagingBuffer(align_up(geometry.kpu_bytes, max(PAGE_SIZE, device.lba_size)))
     try:
-        return Channel(0, Engine(device, queue_depth, [slot]), slot, read_window_bytes)
+        ch = Channel(0, Engine(device, queue_depth, [slot]), slot, read_window_bytes)
     except BaseException:
         slot.close()
         raise
+    ch.engine.label = "prefix"
+    return ch
 
 
 def write_blocks(sess: SessionKV, blocks: list[bytes], block_tokens: int, ch: Channel) -> int:

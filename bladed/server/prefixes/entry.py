@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +32,9 @@ class SessionKV(Protocol):
     def transfer(self, ch: Channel, ranges: Sequence[IORange]) -> list[RangeResult]: ...
 
     def filled_tokens(self) -> int: ...
+
+    def count_written(self, written: Mapping[str, int]) -> None:
+        """Device bytes written for the session on a channel of the daemon's (a prefix copied into it)."""
 
 
 class RetainedPrefix:

@@ -33,14 +33,17 @@ class BudgetSampler:
 
     ``staging_bytes()`` is the staging of the open sessions (``M_pin,others``), asked at every read, so a
     reading stays exact for the sessions opened or closed since it was measured; ``own_kv_bytes()`` the page
-    cache of the daemon's KV files (``M_kv``), asked at every measurement.
+    cache of the daemon's KV files on disk (``M_kv``) and ``own_kv_memory_bytes()`` its KV in memory files
+    (``M_kv,mem``), asked at every measurement.
     """
 
     def __init__(self, cfg: Config, staging_bytes: Callable[[], int],
-                 own_kv_bytes: Callable[[], int] | None = None) -> None:
+                 own_kv_bytes: Callable[[], int] | None = None,
+                 own_kv_memory_bytes: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.staging_bytes = staging_bytes
         self.own_kv_bytes = own_kv_bytes
+        self.own_kv_memory_bytes = own_kv_memory_bytes
         self._lock = threading.Lock()
         self._budgeter: Budgeter | None = None
         self._last: BudgetBreakdown | None = None
@@ -81,16 +84,17 @@ class BudgetSampler:
             return last.to_dict() if last is not None else {}
 
     # -- the schedule ---------------------------------------------------------------------------------
-    def start(self, on_change: SampleCallback) -> BudgetBreakdown:
+    def start(self, on_change: SampleCallback, held_bytes: Callable[[], int] | None = None) -> BudgetBreakdown:
         """Re-sample every ``budget.interval_s`` and on memory pressure; ``on_change(reading)`` when ``B_pc``
-        moved past the hysteresis.  Returns the first reading; OSError or ValueError if sampling cannot start."""
+        moved past the hysteresis or fell below ``held_bytes()`` (``Budgeter.start``).  Returns the first
+        reading; OSError or ValueError if sampling cannot start."""
         b = self._budgeter_now()
 
         def changed(sample: BudgetBreakdown) -> None:
             b.pinned_elsewhere_bytes = self.staging_bytes()   # the sessions opened or closed since
             on_change(self._keep(sample).with_staging(0, 0, b.pinned_elsewhere_bytes))
 
-        b.start(self.cfg.budget.interval_s, changed, on_sample=self._keep)
+        b.start(self.cfg.budget.interval_s, changed, on_sample=self._keep, held_bytes=held_bytes)
         with self._lock:
             self._running = True
         first = b.last
@@ -133,7 +137,7 @@ class BudgetSampler:
                 self._budgeter = Budgeter(0, 0, override_bytes=c.override, cap_bytes=c.cap,
                                           cgroup_path=c.cgroup or None, pinned_elsewhere_bytes=self.staging_bytes(),
                                           kernel_overhead=c.kernel_overhead, own_kv_bytes=self.own_kv_bytes,
-                                          headroom=c.headroom)
+                                          headroom=c.headroom, own_kv_memory_bytes=self.own_kv_memory_bytes)
             return self._budgeter
 
     def _keep(self, b: BudgetBreakdown) -> BudgetBreakdown:

@@ -39,6 +39,7 @@ from bladed.server.storage.channel import Channel
 from bladed.server.storage.integrity import Checksums
 from bladed.server.storage.journal import QUARANTINED, Journal, SessionRecord
 from bladed.server.storage.release import scrub_and_free
+from bladed.server.wear import WearLedger
 from bladed.sizes import PAGE_SIZE
 
 log = logging.getLogger("bladed.session")
@@ -47,17 +48,19 @@ class SessionManager:
     """Opens and tears down sessions; owns the allocator, the ledger and the journal."""
 
     def __init__(self, cfg: Config, device: ExtentDevice, allocator: ExtentAllocator, journal: Journal,
-                 stats: Stats) -> None:
+                 stats: Stats, wear: WearLedger | None = None) -> None:
         self.cfg = cfg
         self.device = device
         self.allocator = allocator
         self.journal = journal
         self.stats = stats
+        #: the wear ledger (``bladed.server.wear``): io.write_budget refuses new direct-path spills once spent
+        self.wear = wear
         self.ledger = BudgetLedger()
         #: the daemon's one budget reading: the re-planner schedules it, opens, prefixes and reports read it
-        self.budget = BudgetSampler(cfg, self.staging_bytes, self.own_kv_bytes)
+        self.budget = BudgetSampler(cfg, self.staging_bytes, self.own_kv_bytes, self.own_kv_memory_bytes)
         self.replanner = LiveReplanner(self)
-        self.prefixes = PrefixCache(cfg, device, allocator, journal, stats)
+        self.prefixes = PrefixCache(cfg, device, allocator, journal, stats, wear)
         self.prefixes.pagecache_room = self._pagecache_room
         self._lock = threading.Lock()
         self.sessions: dict[str, ServedSession] = {}
@@ -71,10 +74,17 @@ class SessionManager:
         return sum(s.staging_bytes for s in self.live_sessions())
 
     def own_kv_bytes(self) -> int:
-        """Page cache the daemon's KV files hold now (the open sessions' and the retained prefixes'): Eq. 1's
-        ``M_kv``, the part of the cgroup's mapped page cache that is not its processes' own."""
-        live = sum(s.pagecache.cached_bytes() for s in self.live_sessions() if s.pagecache is not None)
+        """Page cache the daemon's KV files on disk hold now (the open sessions' and the retained prefixes'): Eq.
+        1's ``M_kv``, the part of the cgroup's mapped page cache that is not its processes' own."""
+        live = sum(s.pagecache.cached_bytes() for s in self.live_sessions()
+                   if s.pagecache is not None and not s.pagecache.memory)
         return live + self.prefixes.cached_bytes()
+
+    def own_kv_memory_bytes(self) -> int:
+        """Memory the daemon's memory KV files hold now (the open sessions' Group 1 with ``pagecache.backing =
+        "memory"``): Eq. 1's ``M_kv,mem``, the part of the cgroup's shmem that is the KV the budget plans."""
+        return sum(s.pagecache.cached_bytes() for s in self.live_sessions()
+                   if s.pagecache is not None and s.pagecache.memory)
 
     def _pagecache_room(self) -> int:
         """Page-cache bytes neither live sessions nor retained prefixes hold, of the daemon's ``B_pc`` (a reading
@@ -137,6 +147,12 @@ class SessionManager:
                 plan = plan_session(geometry, mode, grant, lba)
             except ValueError as e:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"cannot plan this session: {e}") from None
+            direct = plan.direct_kpus()
+            if direct and self.wear is not None:
+                # io.write_budget: planned as ever, but a plan that spills to the device is refused once it is spent
+                self.wear.check_spill("session", f"a {mode.value} session with {len(direct)} KPUs "
+                                                 f"({plan.direct_bytes} bytes) on the direct path",
+                                      cfg.io.write_budget)
 
             sid = secrets.token_hex(4)
             with self._lock:
@@ -184,7 +200,12 @@ class SessionManager:
         plan = sess.plan
         blocks = plan.extent_blocks
         extent: Extent | None = None
-        sess.pagecache = pagecache = PageCacheKPUStore(self.cfg.pagecache_dir, sess.id, plan.pagecache_kpus())
+        # Dual-Blade's Group 1 is planned to stay in memory: in memory files the kernel never writes back, with
+        # live demotion as their eviction (docs/architecture.md, "Page-cache KV off the drive"); the other
+        # modes' page cache is the kernel's to evict (Table III), so it stays on disk
+        memory = plan.mode is Mode.DUALBLADE and self.cfg.pagecache.backing == "memory"
+        sess.pagecache = pagecache = PageCacheKPUStore(self.cfg.pagecache_dir, sess.id, plan.pagecache_kpus(),
+                                                       memory=memory)
         if plan.mode is Mode.DUALBLADE and self.cfg.budget.reserve_extent and plan.reserve_blocks > blocks:
             # room for every KPU, so a live demotion always fits (docs/architecture.md, re-planning)
             try:
@@ -199,7 +220,9 @@ class SessionManager:
                 # live sessions come first: retained prefixes give their blocks back, least recently used first
                 if not self.prefixes.make_room_device():
                     raise RequestError(ErrorCode.NO_SPACE, str(e)) from None
-        sess.extent_store = extent_store = ExtentKPUStore(plan, extent, channels)
+        # a session's KV lives as long as the session: an append's last, partly filled LBA waits in memory until
+        # it is full (no write amplification of bladed's own; retained prefixes write everything at once)
+        sess.extent_store = extent_store = ExtentKPUStore(plan, extent, channels, defer_tail=True)
         # journal before anything touches storage, so a crash from here on is reclaimed
         self.journal_session(sess)
         pagecache.create()
@@ -227,8 +250,19 @@ class SessionManager:
             extent_store.prepare()
 
     def _carry_out(self, sess: ServedSession, kpu: KPU, ch: Channel) -> None:
-        """One of ``sess``'s pending demotions, holding ``ch`` (``DemotionState.begin``)."""
-        self.replanner.carry_out(sess, kpu, ch, lambda need: self.extent_with_room(sess, need, ch))
+        """One of ``sess``'s pending demotions, holding ``ch`` (``DemotionState.begin``); its copy's writes
+        count as ``demotion``."""
+
+        def room(need: int) -> Extent:
+            # binding the KPU on the extent is where a copy to the device begins: io.write_budget refuses it once
+            # spent (RequestError: the re-planner leaves the KPU on the page-cache path, kpu_demotion_failed)
+            if self.wear is not None:
+                self.wear.check_spill("demotion", f"a live demotion of {kpu.name} of session {sess.id} "
+                                                  f"({kpu.nbytes} bytes)", self.cfg.io.write_budget)
+            return self.extent_with_room(sess, need, ch)
+
+        with ch.engine.labelled("demotion"):
+            self.replanner.carry_out(sess, kpu, ch, room)
 
     def journal_session(self, sess: ServedSession, also: Sequence[Extent] = ()) -> None:
         """Record what the session holds (again after its extent grew or moved; ``also`` the run it moves to
@@ -291,7 +325,7 @@ class SessionManager:
         self.journal_session(sess, also=(new,))
         token_bytes = sess.geometry.token_bytes
         try:
-            with sess.live.holding(store.served()):
+            with sess.live.holding(store.served()), ch.engine.labelled("extent_move"):
                 moved = store.move(new, ch, lambda t: sess.live.filled_to(t) * token_bytes)
         except BaseException:
             self._scrub_and_free(sess, new)   # part of the copy may be there

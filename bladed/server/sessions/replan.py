@@ -90,7 +90,7 @@ class LiveReplanner:
         if not cfg.live_replan:
             return
         try:
-            first = self.manager.budget.start(self.apply)
+            first = self.manager.budget.start(self.apply, lambda: self.manager.ledger.held_bytes)
         except (OSError, ValueError) as e:
             log.warning("live re-planning disabled: cannot start budget sampling: %s", e)
             return

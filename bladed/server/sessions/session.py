@@ -12,15 +12,15 @@ import mmap
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bladed.protocol import NO_HIT, ErrorCode, IORange, RangeResult, RequestError, ServedRow
 from bladed.residency.extents import Extent
 from bladed.residency.geometry import Geometry
-from bladed.residency.planner import Plan
+from bladed.residency.planner import KVPath, Plan
 from bladed.server.events import Peer
-from bladed.server.metrics import Stats
+from bladed.server.metrics import WRITE_CAUSES, Stats, channel_kv_written, channel_written
 from bladed.server.sessions.live import DemotionState
 from bladed.server.sessions.rules import CheckedRange, check_channel, check_ranges, json_range
 from bladed.server.storage import Access, ExtentKPUStore, PageCacheKPUStore
@@ -64,6 +64,11 @@ class ServedSession:
         self.prefix_reply: dict[str, Any] | None = None
         self._attached: set[Any] = set()
         self._attach_lock = threading.Lock()
+        #: KV bytes the general path wrote for this session, per path (the lanes count theirs in C)
+        self._kv_written = {p.value: 0 for p in (KVPath.PAGECACHE, KVPath.DIRECT)}
+        #: device bytes written for this session on channels not its own (prefix copies into it), by cause
+        self._written_elsewhere: dict[str, int] = {}
+        self._count_lock = threading.Lock()
 
     @property
     def extent(self) -> Extent | None:
@@ -114,7 +119,30 @@ class ServedSession:
             "busy_s": sum(c.busy_ns for c in self.channels) / 1e9,
             "lane_requests": sum(c.lane_requests for c in self.channels),
             "attached": len(self._attached),
-        } | self.live.to_dict()
+        } | self.written() | self.live.to_dict()
+
+    def written(self) -> dict[str, Any]:
+        """What the session wrote: KV bytes its requests carried per path, and the bytes bladed's own commands
+        wrote to the device for it (whole LBAs), by cause (``WRITE_CAUSES``)."""
+        with self._count_lock:
+            kv = dict(self._kv_written)
+            elsewhere = dict(self._written_elsewhere)
+        device = dict.fromkeys(WRITE_CAUSES, 0)
+        for ch in self.channels:
+            for path, n in channel_kv_written(ch).items():
+                kv[path] += n
+            for cause, n in channel_written(ch).items():
+                device[cause] = device.get(cause, 0) + n
+        for cause, n in elsewhere.items():
+            device[cause] = device.get(cause, 0) + n
+        return {"kv_written_bytes": kv, "direct_written_bytes": sum(device.values()),
+                "direct_written_by_cause": device}
+
+    def count_written(self, written: Mapping[str, int]) -> None:
+        """Device bytes written for this session on a channel of the daemon's (a prefix copied into it)."""
+        with self._count_lock:
+            for cause, n in written.items():
+                self._written_elsewhere[cause] = self._written_elsewhere.get(cause, 0) + n
 
     # -- data connections -------------------------------------------------------------
     def attach(self, conn: Any) -> None:
@@ -159,14 +187,14 @@ class ServedSession:
         The caller keeps the session's channels from serving meanwhile (a session not yet opened, or
         every channel lock held), so the stores' per-channel buffers of channel 0 are free.
         """
-        return self._run(ch, check_ranges(self.geometry, self.slot_bytes, ranges, len(ranges)))
+        return self._run(ch, check_ranges(self.geometry, self.slot_bytes, ranges, len(ranges)), own=False)
 
     def filled_tokens(self) -> int:
         """Tokens ``[0, n)`` written in every KPU (what ``retain`` may keep)."""
         live = self.live
         return min(live.filled_to(t) for t in range(2 * self.geometry.layers))
 
-    def _run(self, ch: Channel, checked: list[CheckedRange]) -> list[RangeResult]:
+    def _run(self, ch: Channel, checked: list[CheckedRange], own: bool = True) -> list[RangeResult]:
         pagecache, extent_store = self.stores()
         live = self.live
         tids = [r.tensor_id for r, _, _, _ in checked]
@@ -181,13 +209,14 @@ class ServedSession:
                 mine = [a for a in accesses if a.kpu.path is store.path]
                 if mine:
                     store.run(ch, mine)
-            written = self._account_for(ch, accesses)
+            written = self._account_for(ch, accesses, own)
         finally:
             live.end_all(tids, written)
         return [a.result for a in accesses]
 
-    def _account_for(self, ch: Channel, accesses: list[Access]) -> list[tuple[int, int]]:
-        """Checksums and statistics of the accesses that ran; the fill marks of the writes that succeeded."""
+    def _account_for(self, ch: Channel, accesses: list[Access], own: bool) -> list[tuple[int, int]]:
+        """Checksums and statistics of the accesses that ran; the fill marks of the writes that succeeded.
+        ``own``: the session's requests (a prefix copied in is not: its KV bytes are not the session's writes)."""
         written: list[tuple[int, int]] = []
         by_path: dict[str, tuple[list[bool], list[ServedRow | None]]] = {}
         for a in accesses:
@@ -207,6 +236,9 @@ class ServedSession:
                 continue
             if a.write:
                 written.append((a.kpu.tensor_id, a.token_start + a.ntokens))
+                if own:
+                    with self._count_lock:
+                        self._kv_written[a.kpu.path] += a.nbytes
             rows.append((a.nbytes, r.service_ns, NO_HIT if r.hit_bytes is None else r.hit_bytes,
                          r.started_ns, r.finished_ns))
         for path, (writes, rows) in by_path.items():

@@ -21,6 +21,14 @@ What an edge LBA already holds comes, in order of preference, from
 * a read of that LBA (read-modify-write; only for writes inside data already
   written, never for appends).
 
+A session's store defers the last LBA of an append (``defer_tail``): the
+tail copy keeps it until the appends after it fill it, and only then is it
+written, once (``edges.Tail``: a decode step's one-token append of a row
+smaller than an LBA writes no LBA at all until the LBA is full; without this,
+768-byte rows on 4 KiB LBAs wrote 5.3 times their bytes). Reads of that LBA
+take the copy, whether it is an edge of the read or in its middle. A retained
+prefix's store writes everything at once: the prefix must survive a restart.
+
 (The edges and tails themselves are ``edges``'s bookkeeping; this module does the I/O.)
 
 The middle of a range (its whole LBAs) moves by DMA straight between the
@@ -60,8 +68,10 @@ class ExtentKPUStore(KPUStore):
 
     path: ClassVar[KVPath] = KVPath.DIRECT
 
-    def __init__(self, plan: Plan, extent: Extent | None, channels: int) -> None:
+    def __init__(self, plan: Plan, extent: Extent | None, channels: int, *, defer_tail: bool = False) -> None:
         self.lba = plan.lba_size
+        #: keep an append's last, partly filled LBA in its tail copy until it is full (module docstring)
+        self.defer_tail = defer_tail
         self.token_bytes = plan.geometry.token_bytes
         self.map = ExtentMap(plan, extent)
         self._kpus = {k.tensor_id: k for k in plan.direct_kpus()}
@@ -73,6 +83,7 @@ class ExtentKPUStore(KPUStore):
         self._moving = threading.Lock()
         self.rmw_reads = 0      # edge LBAs read back before a write (writes inside written data)
         self.tail_hits = 0      # edge LBAs served from the tail copy
+        self.deferred_lbas = 0  # appends' last LBAs kept in the tail copy instead of written
 
     @property
     def extent(self) -> Extent | None:
@@ -138,7 +149,9 @@ class ExtentKPUStore(KPUStore):
         L = self.lba
         eng, slot = ch.engine, ch.slot
         started = time.monotonic_ns()
-        nedges = sum(2 for a in accesses if a.offset % L or (a.offset + a.nbytes) % L)
+        # two edges per range, and a dirty tail a write must send first
+        nedges = sum(2 for a in accesses if a.offset % L or (a.offset + a.nbytes) % L) + \
+            sum(1 for a in accesses if a.write and self._tails[a.kpu.tensor_id].dirty)
         try:
             scratch = self._scratch_for(ch.index, nedges) if nedges else None
         except MemoryError as no_memory:
@@ -149,6 +162,8 @@ class ExtentKPUStore(KPUStore):
             return
         plans: list[tuple[Access, int, list[Edge]]] = []
         rmw: list[tuple[int, Transfer]] = []           # (access index, read of an edge to complete)
+        deferred: set[int] = set()                     # accesses whose last edge LBA stays in the tail copy
+        flushes: list[tuple[int, Edge]] = []           # dirty tails a write leaves behind: written first
         used = 0
         for i, a in enumerate(accesses):
             base = self.map.lookup(a.kpu.tensor_id)[0]
@@ -156,6 +171,17 @@ class ExtentKPUStore(KPUStore):
             edges = edges_of(a.offset, a.nbytes, L, used)
             used += len(edges) * L
             plans.append((a, base, edges))
+            o1 = a.offset + a.nbytes
+            if a.write and tail.dirty and a.offset // L > tail.block and o1 >= tail.fill:
+                # the write starts past the dirty tail's LBA and moves the fill mark: the copy is replaced, so
+                # its LBA goes to the device now (the rest of it is zero, as on a fresh LBA)
+                assert scratch is not None
+                flushes.append((i, Edge(tail.block, used, 0, L)))
+                scratch.view()[used:used + L] = tail.data
+                used += L
+            if a.write and self.defer_tail and o1 % L and o1 >= tail.fill and edges:
+                deferred.add(i)
+                self.deferred_lbas += 1
             if not edges:
                 continue
             assert scratch is not None
@@ -187,6 +213,9 @@ class ExtentKPUStore(KPUStore):
                     failed.setdefault(i, err)
         # every command of the request in one go: the device sees the whole batch
         xfers: list[tuple[int, Transfer]] = []
+        for i, e in flushes:
+            assert scratch is not None
+            xfers.append((i, eng.transfer(Op.WRITE, plans[i][1] + e.block, scratch, offset=e.scratch, nbytes=L)))
         for i, (a, base, edges) in enumerate(plans):
             if i in failed:
                 continue
@@ -196,10 +225,11 @@ class ExtentKPUStore(KPUStore):
                 for e in edges:
                     src = a.slot_offset + (e.block * L + e.lo - a.offset)
                     sv[e.scratch + e.lo:e.scratch + e.hi] = slot.view(src, e.hi - e.lo)
-            for e in edges:
-                if not e.from_tail:
-                    assert scratch is not None
-                    xfers.append((i, eng.transfer(op, base + e.block, scratch, offset=e.scratch, nbytes=L)))
+            for j, e in enumerate(edges):
+                if e.from_tail or (i in deferred and j == len(edges) - 1):
+                    continue                   # served from the tail copy, or kept there (deferred)
+                assert scratch is not None
+                xfers.append((i, eng.transfer(op, base + e.block, scratch, offset=e.scratch, nbytes=L)))
             m0, m1 = ceil_div(a.offset, L), (a.offset + a.nbytes) // L
             if m1 > m0:
                 # Algorithm 2 for a box of whole token rows: slba = start + offset / LBA (line 5)
@@ -222,13 +252,18 @@ class ExtentKPUStore(KPUStore):
                 a.fail(ErrorCode.IO_ERROR, f"direct {a.op.name.lower()} of {a.kpu.name}: {failed[i]}")
                 continue
             if a.write:
-                tail.after_write(a.offset + a.nbytes, L, edges, scratch)
-            elif edges:
-                assert scratch is not None
-                sv = scratch.view()
-                for e in edges:
-                    dst = a.slot_offset + (e.block * L + e.lo - a.offset)
-                    slot.view(dst, e.hi - e.lo)[:] = sv[e.scratch + e.lo:e.scratch + e.hi]
+                tail.after_write(a.offset + a.nbytes, L, edges, scratch, deferred=i in deferred)
+            else:
+                if edges:
+                    assert scratch is not None
+                    sv = scratch.view()
+                    for e in edges:
+                        dst = a.slot_offset + (e.block * L + e.lo - a.offset)
+                        slot.view(dst, e.hi - e.lo)[:] = sv[e.scratch + e.lo:e.scratch + e.hi]
+                m0, m1 = ceil_div(a.offset, L), (a.offset + a.nbytes) // L
+                if tail.dirty and m0 <= tail.block < m1:
+                    # a whole LBA of the read that the device does not hold yet: the copy's bytes
+                    slot.view(a.slot_offset + tail.block * L - a.offset, L)[:] = tail.data
             a.served(KVPath.DIRECT, started)
 
     def _run_bounced(self, ch: ChannelIO, a: Access) -> None:
@@ -249,12 +284,20 @@ class ExtentKPUStore(KPUStore):
         per = bounce.nbytes // L
         b = o0 // L
         try:
+            if a.write and tail.dirty and b > tail.block and o1 >= tail.fill:
+                # the write moves the fill mark past the dirty tail's LBA: that LBA goes to the device first
+                bv[:L] = tail.data
+                eng.write(base + tail.block, bounce, nbytes=L)
+                tail.dirty = False
             while b * L < o1:
                 k = min(per, ceil_div(o1 - b * L, L))              # whole LBAs [b, b + k) in this piece
                 lo, hi = max(o0, b * L), min(o1, (b + k) * L)      # the access's KPU bytes among them
                 rel, src = lo - b * L, a.slot_offset + lo - o0
+                dirty_here = tail.dirty and b <= tail.block < b + k   # the device does not hold that LBA yet
                 if not a.write:
                     eng.read(base + b, bounce, nbytes=k * L)
+                    if dirty_here:
+                        bv[(tail.block - b) * L:(tail.block - b + 1) * L] = tail.data
                     slot.view(src, hi - lo)[:] = bv[rel:rel + hi - lo]
                 else:
                     if lo > b * L or hi < (b + k) * L:             # partly covered: keep what else is there
@@ -263,10 +306,13 @@ class ExtentKPUStore(KPUStore):
                         else:
                             self.rmw_reads += 1
                             eng.read(base + b, bounce, nbytes=k * L)
+                        if dirty_here:
+                            bv[(tail.block - b) * L:(tail.block - b + 1) * L] = tail.data
                     bv[rel:rel + hi - lo] = slot.view(src, hi - lo)
                     eng.write(base + b, bounce, nbytes=k * L)
                     if b <= tail.block < b + k:
                         tail.data[:] = bv[(tail.block - b) * L:(tail.block - b + 1) * L]
+                        tail.dirty = False
                     if hi == o1 and o1 >= tail.fill:
                         last = (o1 - 1) // L - b
                         tail.filled_to(o1, L, bv[last * L:(last + 1) * L])

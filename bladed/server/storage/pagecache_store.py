@@ -1,4 +1,6 @@
-"""The page-cache path: each KPU is a file in the session's page-cache directory, mmap'd by the daemon.
+"""The page-cache path: each KPU is a file in the session's page-cache directory, mmap'd by the daemon (or a
+memory file, ``memory=True``: Dual-Blade's Group 1 with ``pagecache.backing = "memory"``, which the kernel never
+writes back; ``bladed.io.pagecache``).
 
 Group 1 lives here (kept resident within the budget ``B_pc``, Eq. 1-2), and in
 ``baseline``/``cachepolicy`` every KPU (CachePolicy-Only drops Group 2's pages
@@ -36,9 +38,13 @@ class PageCacheKPUStore(KPUStore):
 
     path: ClassVar[KVPath] = KVPath.PAGECACHE
 
-    def __init__(self, root: str, owner_id: str, kpus: Iterable[KPU], *, dir_prefix: str = SESSION_DIR_PREFIX) -> None:
+    def __init__(self, root: str, owner_id: str, kpus: Iterable[KPU], *, dir_prefix: str = SESSION_DIR_PREFIX,
+                 memory: bool = False) -> None:
         self._kpus = {k.tensor_id: k for k in kpus}
-        self.directory = os.path.join(root, dir_prefix + owner_id) if self._kpus else ""
+        #: the files are in memory (no directory): only a session's, never a retained prefix's (those stay for
+        #: the next start, on disk)
+        self.memory = memory
+        self.directory = os.path.join(root, dir_prefix + owner_id) if self._kpus and not memory else ""
         self._files: dict[int, PageCacheFile] = {}
         self._store: PageCacheStore | None = None
         self._lock = threading.Lock()
@@ -50,13 +56,17 @@ class PageCacheKPUStore(KPUStore):
         """
         if not self._kpus:
             return
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        self._store = PageCacheStore(self.directory, clean_stale=not keep_existing)
+        if self.memory:
+            self._store = PageCacheStore(None, memory=True)
+        else:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            self._store = PageCacheStore(self.directory, clean_stale=not keep_existing)
         for k in self._kpus.values():
             self._files[k.tensor_id] = self._store.open(k.name, k.nbytes)
 
     def cached_bytes(self) -> int:
-        """Bytes of these KPUs' files now in the page cache (part of the cgroup's mapped page cache)."""
+        """Bytes of these KPUs' files now in the page cache (part of the cgroup's mapped page cache; for memory
+        files, of its shmem)."""
         store = self._store          # a concurrent close() drops it
         return store.cached_bytes() if store is not None else 0
 

@@ -355,6 +355,9 @@ class Connection:
     def _op_budget(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         return self.services.budget()
 
+    def _op_wear(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        return self.services.wear_report()
+
     def _op_trim(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         if not self.services.is_admin(self.peer):
             raise RequestError(ErrorCode.PERMISSION_DENIED, f"uid {self.peer.uid} may not trim "
