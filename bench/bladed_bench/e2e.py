@@ -74,17 +74,30 @@ CGROUP_STATS = ("cache", "rss", "shmem", "mapped_file", "dirty", "writeback", "f
 
 
 def side_label(side: str) -> str:
-    mode, _, fmt = side.partition("-")
-    return LABELS.get(mode, mode) + (f" {fmt}" if fmt else "")
+    name, _, backing = side.partition("+")
+    mode, _, fmt = name.partition("-")
+    return LABELS.get(mode, mode) + (f" {fmt}" if fmt else "") + (f" ({backing} Group 1)" if backing else "")
+
+
+#: a bladed side's ``+<backing>`` suffix: the daemon's ``pagecache.backing`` (``dualblade+disk``: Group 1 on disk
+#: files, as before issue 39)
+BACKINGS = ("memory", "disk")
 
 
 def parse_side(side: str) -> tuple[str, str | None]:
     """``dualblade-q8`` -> ``("dualblade", "q8")``; ValueError naming the known sides for anything else."""
-    mode, _, fmt = side.partition("-")
-    if mode not in ("memory", "mmap", *BLADED_MODES):
+    name, _, backing = side.partition("+")
+    mode, _, fmt = name.partition("-")
+    if mode not in ("memory", "mmap", *BLADED_MODES) or (backing and (backing not in BACKINGS or
+                                                                      mode not in BLADED_MODES)):
         raise ValueError(f"unknown side {side!r}; choose from {', '.join(SIDES)} (a side may carry a KV format: "
-                         "dualblade-q8, dualblade-q4, mmap-q8, ...)")
+                         "dualblade-q8, mmap-q8, ...; a bladed side a page-cache backing: dualblade+disk)")
     return mode, fmt or None
+
+
+def side_backing(side: str) -> str | None:
+    """The ``pagecache.backing`` a bladed side names (``dualblade+disk``: ``disk``), or None (the default)."""
+    return side.partition("+")[2] or None
 
 
 @dataclass(frozen=True)
@@ -263,9 +276,11 @@ class E2ERunner:
             if mode in BLADED_MODES:
                 # bladed as a user runs it: a file store big enough for the KV set, the daemon's defaults
                 # (the KV sweep's harness fixes budget.interval_s at an hour; here it stays the default)
+                extra: dict[str, dict[str, Any]] = {"budget": {"interval_s": BudgetConfig().interval_s}}
+                if side_backing(side):
+                    extra["pagecache"] = {"backing": side_backing(side)}
                 daemon = BenchDaemon(os.path.join(state, "daemon"), self.store_bytes,
-                                     cg.launcher if cg is not None else None,
-                                     {"budget": {"interval_s": BudgetConfig().interval_s}})
+                                     cg.launcher if cg is not None else None, extra)
                 rec["daemon_startup_s"] = round(daemon.startup_s, 3)
             argv = self.runner_argv(side, state, cg, daemon.socket_path if daemon is not None else None)
             rec["argv"] = argv[2:]
@@ -523,8 +538,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                 "tokens_equal_memory": all(r.get("tokens_equal_memory", False) for r in rs),
             }
         ratios: dict[str, Any] = {}
-        for a, b in (("dualblade", "mmap"), ("dualblade", "baseline"), ("dualblade", "memory"),
-                     ("baseline", "mmap"), ("dualblade-q8", "dualblade"), ("dualblade-q8", "mmap")):
+        pairs = [("dualblade", "mmap"), ("dualblade", "baseline"), ("dualblade", "memory"), ("baseline", "mmap"),
+                 ("dualblade-q8", "dualblade"), ("dualblade-q8", "mmap")]
+        pairs += [(side.partition("+")[0], side) for side in sides if "+" in side]   # a backing against the default
+        for a, b in pairs:
             if a in sides and b in sides:
                 ratios[f"{a}/{b}"] = {"decode_time": _med(paired(doc, a, b, "decode_s", limit)),
                                       "ttft": _med(paired(doc, a, b, "ttft_s", limit)),

@@ -300,6 +300,8 @@ class SweepRunner:
             extra.setdefault("budget", {})["override"] = p.budget_override
         if p.live_replan is not None:
             extra.setdefault("budget", {})["live_replan"] = p.live_replan
+            if not p.live_replan:   # memory files are evicted by live demotion only
+                extra.setdefault("pagecache", {})["backing"] = "disk"
         if p.engine is not None:
             extra.setdefault("io", {})["engine"] = p.engine
         store = self.plan.store_bytes or align_up(spec.kv_bytes + 256 * MiB, MiB)
