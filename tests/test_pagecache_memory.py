@@ -209,6 +209,21 @@ def test_kv_that_fits_in_memory_never_reaches_the_drive() -> None:
 
 # -- memory pressure ---------------------------------------------------------------------------------
 
+def next_scheduled_sample(c: Client, deadline_s: float = 60) -> None:
+    """Wait for the budget schedule's next sample (periodic or on pressure), the one live re-planning acts on (a
+    reading a client asks for, ``budget``, is not)."""
+    def scheduled() -> int:
+        n = c.stats()["replan"]["budget_samples"]
+        return int(n.get("periodic", 0)) + int(n.get("pressure", 0))
+
+    end = time.monotonic() + deadline_s
+    start = scheduled()
+    while scheduled() <= start:
+        if time.monotonic() > end:
+            pytest.fail(f"no scheduled budget sample within {deadline_s:g} s")
+        time.sleep(0.02)
+
+
 def wait_idle(c: Client, deadline_s: float = 60) -> dict[str, Any]:
     """The daemon's stats once no demotion is pending in any session."""
     end = time.monotonic() + deadline_s
@@ -224,8 +239,8 @@ def wait_idle(c: Client, deadline_s: float = 60) -> dict[str, Any]:
 @pytest.mark.root
 def test_a_neighbour_taking_memory_makes_bladed_demote_not_the_kernel_kill(tmp: str) -> None:
     """The daemon and a neighbour share a memory cgroup. The neighbour takes 2 MiB at a time (less than what
-    ``budget.headroom`` keeps free: a memory file cannot be reclaimed, so what is allocated between two budget
-    readings must fit there); the budget shrinks
+    ``budget.headroom`` keeps free, after each step the schedule's next sample: a memory file cannot be
+    reclaimed, so what is allocated between two budget samples must fit there); the budget shrinks
     (Eq. 1's M_anon grows), live re-planning demotes whole KPUs of the memory KV to the direct path, one write
     each; every byte stays; nothing is OOM-killed."""
     with ChildCgroup(None) as cg:
@@ -244,7 +259,7 @@ def test_a_neighbour_taking_memory_makes_bladed_demote_not_the_kernel_kill(tmp: 
                 while not c.stats()["replan"]["demoted_kpus"] and taken < (96 << 20):
                     neighbour.call("anon", nbytes=2 << 20)
                     taken += 2 << 20
-                    c.budget()                          # a reading now (the schedule's would come within 0.2 s)
+                    next_scheduled_sample(c)            # the neighbour grows no faster than B_pc is sampled
                     wait_idle(c)
                 stats = wait_idle(c)
                 demoted = stats["replan"]["demoted_kpus"]

@@ -594,14 +594,18 @@ def step_build(ctx: Ctx) -> Result:
             data["fallback"] = f"using the extension prebuilt by --prepare ({prebuilt})"
     data["built"] = built
     if built is not None:
-        if not ctx.rehearse or not os.path.exists(target):
+        # any build of it (pip's is _uring.abi3.so): a copy under this Python's own suffix would shadow it
+        have = glob.glob(os.path.join(ROOT, "bladed", "_uring.*so"))
+        if not ctx.rehearse or not have:
             # on the box (a throw-away copy of the tree) the package's own; in a rehearsal only where this
-            # Python has none yet (the checkout's environment keeps the one it built)
+            # Python has none yet (the checkout's environment keeps the one it built, and nothing is left there
+            # to shadow a later rebuild)
             _copy_with_wire(built, os.path.dirname(target), os.path.basename(target))
             data["installed_as"] = target
         else:
             data["installed_as"] = None
-            data["note"] = f"rehearsal: {os.path.relpath(target, ROOT)} exists and is left as it is"
+            data["note"] = (f"rehearsal: {', '.join(os.path.relpath(h, ROOT) for h in have)} exists and is left as "
+                            "it is")
         ctx.extension = target if data["installed_as"] else built
     return {"status": status, "reason": reason, "data": data}
 
