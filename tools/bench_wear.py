@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{d.sessions_in_memory:g}: the later sessions are above the budget)")
     p.add_argument("--workdir", default="/var/tmp/bladed-wear", help="where the loop devices' files go")
     p.add_argument("--json", default=None, help="default: docs/bench/wear-<UTC time>.json")
+    p.add_argument("--parallel", action="store_true",
+                   help="run the sides at once (each has its own loop device; the time of one side)")
     a = p.parse_args(argv)
     sides = [s.strip() for s in a.sides.split(",") if s.strip()]
     bad = [s for s in sides if s not in SIDES]
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ChatSpec(sessions=a.sessions, turns=a.turns, gap_s=a.gap, stagger_s=a.stagger,
                     prompt_tokens=a.prompt_tokens, reply_tokens=a.reply_tokens, sessions_in_memory=a.in_memory)
     out = a.json or os.path.join(ROOT, "docs", "bench", time.strftime("wear-%Y-%m-%dT%H%MZ.json", time.gmtime()))
-    doc = run_wear(spec, sides, a.workdir, out, say=lambda m: print(m, file=sys.stderr, flush=True))
+    doc = run_wear(spec, sides, a.workdir, out, say=lambda m: print(m, file=sys.stderr, flush=True),
+                   parallel=a.parallel)
     print(markdown(doc))
     print(out)
     return 0 if all("error" not in r and not r.get("errors") for r in doc["runs"]) else 1

@@ -47,6 +47,7 @@ SCHEMA = "bladed.bench_wear/1"
 MiB = 1 << 20
 SIDES = ("bladed", "bladed-disk", "mmap")
 SECTOR = 512
+_LOSETUP = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,9 @@ def loop_filesystem(workdir: str, size: int) -> Iterator[tuple[str, str]]:
     os.makedirs(mnt, exist_ok=True)
     with open(img, "wb") as f:
         f.truncate(size)
-    dev = subprocess.run(["losetup", "--find", "--show", img], check=True, capture_output=True,
-                         text=True).stdout.strip()
+    with _LOSETUP:         # sides set up at once must not race for the same free loop device
+        dev = subprocess.run(["losetup", "--find", "--show", img], check=True, capture_output=True,
+                             text=True).stdout.strip()
     try:
         subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev], check=True,
                        capture_output=True)
@@ -327,7 +329,8 @@ def _own_direct_written(stats: dict[str, Any]) -> int | None:
 
 
 def run_wear(spec: ChatSpec, sides: list[str], workdir: str, out_path: str | None,
-             say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+             say: Callable[[str], None] = lambda _m: None, *, parallel: bool = False) -> dict[str, Any]:
+    """The workload on every side (one after the other, or all at once with ``parallel``); the JSON doc."""
     os.makedirs(workdir, exist_ok=True)
     git = environment.git_info(REPO, ("bladed", "cffi_build", "bench", "tools"))
     doc: dict[str, Any] = {
@@ -340,16 +343,32 @@ def run_wear(spec: ChatSpec, sides: list[str], workdir: str, out_path: str | Non
         "vm": {n: environment.read_text(f"/proc/sys/vm/{n}") for n in
                ("dirty_expire_centisecs", "dirty_writeback_centisecs", "dirty_background_ratio", "dirty_ratio")},
     }
-    for side in sides:
+    doc["parallel"] = parallel
+    save_lock = threading.Lock()
+
+    def one(side: str) -> None:
         say(f"{side}: {spec.sessions} sessions of {spec.session_seconds:.0f} s")
         try:
             rec = run_side(side, spec, workdir, say)
         except Exception as e:
             rec = {"side": side, "error": f"{type(e).__name__}: {e}"}
-        doc["runs"].append(rec)
-        if out_path:
-            with open(out_path, "w") as f:
-                json.dump(doc, f, indent=1)
+        with save_lock:
+            doc["runs"].append(rec)
+            if out_path:
+                with open(out_path, "w") as f:
+                    json.dump(doc, f, indent=1)
+
+    if parallel:
+        # each side on a loop device of its own: what one side makes its device write is not the others'
+        threads = [threading.Thread(target=one, args=(side,), name=f"side-{side}") for side in sides]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        doc["runs"].sort(key=lambda r: sides.index(r["side"]))
+    else:
+        for side in sides:
+            one(side)
     doc["summary"] = summarize(doc)
     if out_path:
         with open(out_path, "w") as f:
