@@ -308,14 +308,19 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                 causes = (r.get("daemon_stats") or {}).get("direct_written_by_cause") or {}
                 row["bladed_direct_written_bytes"] = own
                 row["bladed_direct_written_by_cause"] = causes
-                # the direct path's own amplification: what its requests wrote against the KV bytes sent there
-                # (demotions copy page-cache KV: they are the page-cache path's cost, below)
-                requests = causes.get("requests", own)
-                row["direct_device_per_kv"] = requests / kv_direct if kv_direct else None
+                # the direct path's own amplification: what its requests and its extents' moves wrote against the
+                # KV bytes sent there (demotions copy page-cache KV: they are the page-cache path's cost, below)
+                direct = causes.get("requests", own) + causes.get("extent_move", 0)
+                row["direct_device_per_kv"] = direct / kv_direct if kv_direct else None
+                row["direct_requests_per_kv"] = causes.get("requests", own) / kv_direct if kv_direct else None
                 # the page-cache path: the kernel's writeback (the rest of the device's count: the filesystem's
                 # journal included) and bladed's demotions of its KV
                 row["pagecache_device_bytes"] = max(0, r["device_written_bytes"] - own) + causes.get("demotion", 0)
                 row["pagecache_device_per_kv"] = row["pagecache_device_bytes"] / kv_pc if kv_pc else None
+                # of it, the KV itself: the demotions' copies (bladed's count); the rest is what else reached the
+                # side's device (the filesystem's journal, the daemon's journal and wear ledger, the kernel's
+                # writeback of page-cache files)
+                row["pagecache_demoted_per_kv"] = causes.get("demotion", 0) / kv_pc if kv_pc else None
         out[side] = row
     if "bladed" in by and "mmap" in by and by["mmap"]["device_written_bytes"]:
         out["bladed/mmap_device_written"] = by["bladed"]["device_written_bytes"] / by["mmap"]["device_written_bytes"]
