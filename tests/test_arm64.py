@@ -121,3 +121,13 @@ def test_smoke_under_qemu_user_on_the_portable_engine(arm64_root: str) -> None:
     # qemu-user has no io_uring_setup (ENOSYS): io.engine = "auto" falls back to the portable engine
     check_smoke(out, "portable")
     assert out["emulation"] == "user"
+
+
+def test_the_kv_codec_passes_its_tests_on_aarch64(arm64_root: str) -> None:
+    """Issue 40: the q8 / q4 codec (``bladed._codec``) built for aarch64 (its NEON-vectorised loops, the portable
+    build) writes the rows of the layout's reference, bit for bit (tests/test_kvformat_codec_numpy.py needs no
+    torch). Under qemu-user: the codec makes no system call that matters, and no VM need boot for it."""
+    r = harness(["--user", "--", "python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 "tests/test_kvformat_codec_numpy.py"], SMOKE_TIMEOUT_S)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-3000:]
