@@ -33,13 +33,15 @@ class BlockStat:
             return int(f.read().split()[WRITE_SECTORS_FIELD]) * SECTOR_BYTES
 
     @property
-    def passthrough_counted(self) -> bool:
-        """Whether the kernel counts passthrough commands in this device's stat (``queue/iostats_passthrough``)."""
+    def passthrough_counted(self) -> bool | None:
+        """Whether the kernel counts passthrough commands in this device's stat (``queue/iostats_passthrough``);
+        None where the kernel has no such switch (whether it counts them then depends on its version: 5.10's
+        block-node ioctls are counted, 6.x's are not)."""
         try:
             with open(os.path.join(os.path.dirname(self.stat_path), "queue", "iostats_passthrough")) as f:
                 return f.read().strip() == "1"
         except OSError:
-            return False
+            return None
 
 
 def _of_sysdir(sysdir: str) -> BlockStat | None:

@@ -98,7 +98,12 @@ def test_wear_figures_on_the_namespace_and_the_write_budget(vm_config: VMConfig)
             grown = store["written_bytes"] - before["kernel"]["store"]["written_bytes"]
             print(f"kernel {os.uname().release}: {store['device']} stat grew by {grown} bytes while bladed wrote "
                   f"{bladed} by passthrough (passthrough_counted {store['passthrough_counted']})")
-            assert grown >= bladed if store["passthrough_counted"] else grown == 0
+            counted = store["passthrough_counted"]
+            if counted is None:
+                # the kernel has no switch: 5.10 counts the block node's NVMe ioctls, 6.x leaves io_uring_cmd out
+                assert grown == 0 or grown >= bladed
+            else:
+                assert grown >= bladed if counted else grown == 0
 
             # bladectl wear shows the drive's own log: nvme smart-log's figures, read on both sides of it
             got = CliRunner().invoke(cli, ["--socket", d.socket_path, "wear", "--json"])
