@@ -269,9 +269,10 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
                 assert s["free_bytes"] == int(0.02 * 300 * MiB) and s["mapped_bytes"] >= 0
                 assert s["usable_bytes"] == min(s["host_available_bytes"], 300 * MiB - s["anon_shmem_bytes"]
                                                 - s["mapped_bytes"] - s["free_bytes"])
-                # the session's page-cache files (2 KPUs) are charged to the unit, and the daemon counts them
-                # as its own KV (what it takes out of the unit's mapped page cache)
-                assert s["file_bytes"] >= 2 * KPU and s["own_kv_bytes"] == 2 * KPU
+                # the session's Group 1 (2 KPUs in memory files: pagecache.backing = "memory") is charged to the
+                # unit as shmem, and the daemon counts it as its own KV in memory (M_kv,mem, out of M_anon+shmem)
+                assert s["shmem_bytes"] >= 2 * KPU and s["own_kv_memory_bytes"] == 2 * KPU
+                assert s["own_kv_bytes"] == 0
                 assert s["mapped_bytes"] == max(0, s["file_mapped_bytes"] - s["shmem_bytes"] - s["own_kv_bytes"])
                 run("systemctl", "set-property", "--runtime", "bladed.service", "MemoryHigh=infinity")
                 s = admin.budget()["sample"]
