@@ -36,6 +36,7 @@ from test_faults import oom_kills
 from test_replan_live import Model, open_models, pc_files
 
 from bladed.client import Client
+from bladed.io.diskstats import BlockStat
 from bladed.io.errors import BladedIOError
 from bladed.io.pagecache import PageCacheStore
 
@@ -150,8 +151,7 @@ def ext4_on_loop(size: int) -> Iterator[tuple[str, str]]:
 
 
 def written_bytes(sysdir: str) -> int:
-    with open(os.path.join(sysdir, "stat")) as f:
-        return int(f.read().split()[6]) * 512
+    return BlockStat(os.path.basename(sysdir), os.path.join(sysdir, "stat")).written_bytes()
 
 
 @contextlib.contextmanager

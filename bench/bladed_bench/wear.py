@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladed.io.diskstats import BlockStat
 from bladed.residency.geometry import Geometry
 from bladed.torchdisk import OP_WRITE, TorchDiskClient
 from bladed_bench import environment
@@ -46,7 +47,6 @@ from bladed_bench.workload import BenchDaemon
 SCHEMA = "bladed.bench_wear/1"
 MiB = 1 << 20
 SIDES = ("bladed", "bladed-disk", "mmap")
-SECTOR = 512
 _LOSETUP = threading.Lock()
 
 
@@ -111,8 +111,8 @@ def loop_filesystem(workdir: str, size: int) -> Iterator[tuple[str, str]]:
 
 
 def written(sysdir: str) -> int:
-    with open(os.path.join(sysdir, "stat")) as f:
-        return int(f.read().split()[6]) * SECTOR
+    """Bytes the kernel says the block device at ``sysdir`` (``/sys/block/<dev>``) wrote since boot."""
+    return BlockStat(os.path.basename(sysdir), os.path.join(sysdir, "stat")).written_bytes()
 
 
 # -- one conversation -------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bladed.config import format_size
+from bladed.io.smart import DATA_UNIT_BYTES
 from bladed.protocol import ErrorCode, RequestError
 
 log = logging.getLogger("bladed.wear")
@@ -50,8 +51,6 @@ SPILLS = ("session", "demotion", "prefix")
 SMART_FIELDS = ("data_units_written", "data_units_read", "host_write_commands", "host_read_commands",
                 "percentage_used", "available_spare", "media_errors", "power_on_hours", "critical_warning",
                 "temperature_kelvin")
-#: bytes of one SMART data unit (bladed.io.smart.DATA_UNIT_BYTES)
-DATA_UNIT_BYTES = 512_000
 DAY_S = 86400.0
 
 #: (bladed's direct-path bytes by cause, the kernel's device bytes by role), both counted from the daemon's start
