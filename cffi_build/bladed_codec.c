@@ -2,7 +2,8 @@
  * bladed_codec.c - the q8 / q4 KV row codec on the CPU (bladed_codec.h).
  *
  * The loops are bladed_codec_kernels.h, compiled here once for the baseline ISA and, on x86-64, once more for
- * AVX2 + F16C (picked per job: bd_codec_best_isa()).  fp16 <-> fp32 is c10's arithmetic (torch's scalar
+ * AVX2 + F16C (picked per job: bd_codec_best_isa()), where the default block of 32 takes the single-pass loops
+ * of bladed_codec_fused.h instead.  fp16 <-> fp32 is c10's arithmetic (torch's scalar
  * conversion, exact round to nearest even with subnormals, inf and NaN) on baseline x86-64, F16C's
  * instructions in the AVX2 build and the compiler's _Float16 (FCVT, the same rounding) on aarch64.
  */
@@ -204,6 +205,7 @@ static inline void f32_to_f16_n_avx2(const float *restrict s, uint16_t *restrict
 #define K(name) name##_avx2
 #include "bladed_codec_kernels.h"
 #undef K
+#include "bladed_codec_fused.h"
 #pragma GCC pop_options
 #endif
 
@@ -241,7 +243,10 @@ static void *part_run(void *arg)
     struct part *p = arg;
 #ifdef BD_CODEC_HAVE_AVX2
     if (p->job->isa == BD_CODEC_AVX2) {
-        rows_avx2(p->job, p->decode, p->r0, p->r1);
+        if (p->job->block == FUSED_BLOCK)
+            fused_rows(p->job, p->decode, p->r0, p->r1);
+        else
+            rows_avx2(p->job, p->decode, p->r0, p->r1);
         return NULL;
     }
 #endif

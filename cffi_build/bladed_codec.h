@@ -5,7 +5,8 @@
  * rows are bit for bit what the formats' torch encoder writes (docs/kv-formats.md, "The CPU codec", says
  * where they may differ: NaN payloads and the sign of a zero scale or minimum) and decode bit for bit as its
  * decoder does. Plain C loops that gcc -O3 vectorises; on x86-64 a second build of the same loops for
- * AVX2 + F16C is picked at run time where the CPU has them (the wheel stays baseline x86-64).
+ * AVX2 + F16C is picked at run time where the CPU has them (the wheel stays baseline x86-64), with single-pass
+ * loops for the default block of 32 (bladed_codec_fused.h).
  *
  * This file is read twice: by the C compiler, and (between the CDEF markers) by cffi.
  */

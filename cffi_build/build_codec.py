@@ -17,7 +17,7 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-HEADERS = ("bladed_codec.h", "bladed_codec_kernels.h")
+HEADERS = ("bladed_codec.h", "bladed_codec_kernels.h", "bladed_codec_fused.h")
 CFLAGS = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-std=gnu11", "-ffp-contract=off",
           "-fno-trapping-math", "-pthread"]
 

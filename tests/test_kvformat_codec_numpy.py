@@ -107,23 +107,25 @@ def test_any_bytes_decode_as_the_reference(kind: str, block: int, nb: int, token
 
 
 @pytest.mark.parametrize("build", isas())
+@pytest.mark.parametrize("block", [4, 32])                # 32: the AVX2 build's single-pass loops
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_documented_nan_inf_and_zero_blocks(kind: str, build: str) -> None:
-    f = fmt_of(kind, 4)
+def test_documented_nan_inf_and_zero_blocks(kind: str, block: int, build: str) -> None:
+    f = fmt_of(kind, block)
     x = np.array([[[1.0, np.nan, 2.0, 3.0],          # NaN: scale (and minimum) 0x7E00, codes 0, all NaN back
                    [1.0, np.inf, -2.0, 0.5],         # +inf: the step clamps to 65504
                    [-0.0, -0.0, -0.0, -0.0],         # all -0
                    [0.0, -0.0, 0.0, 0.0],            # mixed zeros
                    [-np.inf, -np.inf, -np.inf, -np.inf]]], np.float32)
+    x = np.tile(x, block // 4)                        # each block: its four values over and over
     with isa(build):
         rows = f.encode_array(x).reshape(5, f.block_bytes)
-        back = f.decode_array(rows.reshape(1, -1), "float32").reshape(5, 4)
+        back = f.decode_array(rows.reshape(1, -1), "float32").reshape(5, block)
     head = rows[:, :4].copy().view("<u2")
     assert head[0, 0] == 0x7E00 and not rows[0, 2 if kind == "q8" else 4:].any() and np.isnan(back[0]).all()
     if kind == "q8":
         assert head[1, 0] == 0x7BFF and rows[1, 3].view(np.int8) == 127     # d = 65504; inf -> code 127
         assert head[2, 0] == 0x8000 and head[3, 0] == 0x0000                 # -0 scale only for all -0
-        assert np.array_equal(back[2].view(np.uint32), np.full(4, 0x80000000, np.uint32))
+        assert np.array_equal(back[2].view(np.uint32), np.full(block, 0x80000000, np.uint32))
         assert head[4, 0] == 0x7BFF and (rows[4, 2:].view(np.int8) == -127).all()
     else:
         assert head[0, 1] == 0x7E00
@@ -131,7 +133,7 @@ def test_documented_nan_inf_and_zero_blocks(kind: str, build: str) -> None:
         assert head[2, 1] == 0x8000 and head[3, 1] == 0x8000                 # minimum -0 where a -0 is
         assert head[4, 0] == 0xFC00 and head[4, 1] == 0xFBFF                 # all -inf: d = -inf, m = -65504
         assert not rows[4, 4:].any() and np.isnan(back[4]).all()
-    assert np.array_equal(rows.reshape(1, -1), ref_encode(kind, 4, x.reshape(1, -1)))
+    assert np.array_equal(rows.reshape(1, -1), ref_encode(kind, block, x.reshape(1, -1)))
 
 
 def test_blocks_have_the_ggml_layout() -> None:
