@@ -12,6 +12,9 @@
  */
 
 #define FUSED_BLOCK 32
+#define FUSED_GROUP 8                /* blocks whose scales are computed side by side */
+#define KEY16_INF 0x7C00             /* fused_key16(+inf) */
+#define KEY16_NEG_INF (-31745)       /* fused_key16(-inf), 0x83FF */
 
 /* eight values of the float side as float32 */
 INLINE __m256 fused_load8(int elem, const char *p)
@@ -41,21 +44,29 @@ INLINE void fused_store8(int elem, char *p, __m256 v)
     }
 }
 
-/* f32_key on eight lanes */
-INLINE __m256i fused_key8(__m256 v)
+/* f32_key on eight lanes of bits (its own inverse) */
+INLINE __m256i fused_key8i(__m256i i)
 {
-    const __m256i i = _mm256_castps_si256(v);
     return _mm256_xor_si256(i, _mm256_srli_epi32(_mm256_srai_epi32(i, 31), 1));
 }
 
-/* a block's 32 values (v[4]) and its smallest and largest key */
-INLINE void fused_block_in(int elem, const char *x, __m256 v[4], int32_t *lo, int32_t *hi)
+INLINE __m256i fused_key8(__m256 v)
 {
-    const int64_t es = elem_size(elem);
+    return fused_key8i(_mm256_castps_si256(v));
+}
+
+/* fused_key16 on eight lanes */
+INLINE __m128i fused_key16_128(__m128i h)
+{
+    return _mm_xor_si128(h, _mm_srli_epi16(_mm_srai_epi16(h, 15), 1));
+}
+
+/* a block's smallest and largest key (f32_key) */
+INLINE void fused_block_keys(int elem, const char *x, int32_t *lo, int32_t *hi)
+{
     __m256i kmin = _mm256_set1_epi32(INT32_MAX), kmax = _mm256_set1_epi32(INT32_MIN);
     for (int p = 0; p < 4; p++) {
-        v[p] = fused_load8(elem, x + p * 8 * es);
-        const __m256i k = fused_key8(v[p]);
+        const __m256i k = fused_key8(fused_load8(elem, x + p * 8 * elem_size(elem)));
         kmin = _mm256_min_epi32(kmin, k);
         kmax = _mm256_max_epi32(kmax, k);
     }
@@ -67,6 +78,56 @@ INLINE void fused_block_in(int elem, const char *x, __m256 v[4], int32_t *lo, in
     b = _mm_max_epi32(b, _mm_shuffle_epi32(b, 0xB1));
     *lo = _mm_cvtsi128_si32(a);
     *hi = _mm_cvtsi128_si32(b);
+}
+
+/* f32_key's fp16 twin: fp16 bits as int16 that order as the values do (its own inverse too) */
+INLINE __m256i fused_key16(__m256i h)
+{
+    return _mm256_xor_si256(h, _mm256_srli_epi16(_mm256_srai_epi16(h, 15), 1));
+}
+
+/* an fp16 block's smallest and largest value, as fp16 bits: comparing fp16 keys orders as comparing the
+ * float32 values does (fp16 -> float32 is exact and monotonic), on twice the lanes; phminposuw finds the
+ * smallest of eight unsigned words (the keys biased by 0x8000; the largest: the smallest complement) */
+INLINE void fused_block_range16(const char *x, uint16_t *lo, uint16_t *hi)
+{
+    const __m256i k0 = fused_key16(_mm256_loadu_si256((const __m256i *)x));
+    const __m256i k1 = fused_key16(_mm256_loadu_si256((const __m256i *)(x + 32)));
+    const __m256i mn = _mm256_min_epi16(k0, k1), mx = _mm256_max_epi16(k0, k1);
+    const __m128i a = _mm_min_epi16(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+    const __m128i b = _mm_max_epi16(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    const uint16_t kl = (uint16_t)(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(a, _mm_set1_epi16((short)0x8000)))) ^ 0x8000);
+    const uint16_t kh = (uint16_t)(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(b, _mm_set1_epi16(0x7FFF)))) ^ 0x7FFF);
+    *lo = kl;                                           /* keys still: fused_group_range turns them back */
+    *hi = kh;
+}
+
+/* the smallest and largest value of each of a group's n blocks at x (lanes n.. zero) as float32, and the lanes
+ * whose block holds a NaN (all ones): a NaN's key lies beyond +-inf's */
+INLINE __m256 fused_group_range(int elem, const char *x, int n, __m256 *lo, __m256 *hi)
+{
+    const int64_t xb = FUSED_BLOCK * elem_size(elem);
+    if (elem == BD_CODEC_F16) {
+        uint16_t lk[FUSED_GROUP] = {0}, hk[FUSED_GROUP] = {0};
+        for (int k = 0; k < n; k++)
+            fused_block_range16(x + k * xb, &lk[k], &hk[k]);
+        const __m256i l = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)lk));
+        const __m256i h = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)hk));
+        const __m128i lb = fused_key16_128(_mm_loadu_si128((const __m128i *)lk));
+        const __m128i hb = fused_key16_128(_mm_loadu_si128((const __m128i *)hk));
+        *lo = _mm256_cvtph_ps(lb);
+        *hi = _mm256_cvtph_ps(hb);
+        return _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(h, _mm256_set1_epi32(KEY16_INF)),
+                                                   _mm256_cmpgt_epi32(_mm256_set1_epi32(KEY16_NEG_INF), l)));
+    }
+    int32_t lk[FUSED_GROUP] = {0}, hk[FUSED_GROUP] = {0};
+    for (int k = 0; k < n; k++)
+        fused_block_keys(elem, x + k * xb, &lk[k], &hk[k]);
+    const __m256i l = _mm256_loadu_si256((const __m256i *)lk), h = _mm256_loadu_si256((const __m256i *)hk);
+    *lo = _mm256_castsi256_ps(fused_key8i(l));
+    *hi = _mm256_castsi256_ps(fused_key8i(h));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(h, _mm256_set1_epi32(KEY_INF)),
+                                               _mm256_cmpgt_epi32(_mm256_set1_epi32(KEY_NEG_INF), l)));
 }
 
 /* four vectors of eight int32 codes (each within int8) as 32 bytes in order */
@@ -83,18 +144,6 @@ INLINE __m256i fused_round(__m256 y, __m256 lo, __m256 hi)
     return _mm256_cvttps_epi32(_mm256_round_ps(y, F16C_ROUND));
 }
 
-#define FUSED_GROUP 8
-
-/* the keys of the eight lanes' smallest and largest values as floats, and whether a lane's block holds a NaN */
-INLINE __m256 fused_nan_lanes(const int32_t lk[FUSED_GROUP], const int32_t hk[FUSED_GROUP], __m256 *lo, __m256 *hi)
-{
-    const __m256i l = _mm256_loadu_si256((const __m256i *)lk), h = _mm256_loadu_si256((const __m256i *)hk);
-    *lo = _mm256_castsi256_ps(_mm256_xor_si256(l, _mm256_srli_epi32(_mm256_srai_epi32(l, 31), 1)));
-    *hi = _mm256_castsi256_ps(_mm256_xor_si256(h, _mm256_srli_epi32(_mm256_srai_epi32(h, 31), 1)));
-    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(h, _mm256_set1_epi32(KEY_INF)),
-                                               _mm256_cmpgt_epi32(_mm256_set1_epi32(KEY_NEG_INF), l)));
-}
-
 /* t (float32) to fp16 and back: the stored scale and the one the codes use */
 INLINE __m256 fused_via_f16(__m256 t, __m128i *t16)
 {
@@ -104,11 +153,9 @@ INLINE __m256 fused_via_f16(__m256 t, __m128i *t16)
 
 /* encode_blocks' q8 scales for eight blocks: d = max(hi, -lo) / 127 clamped, as fp16; inv = 1 / d, 0 where d is
  * not positive or the block holds a NaN (whose d is written as the quiet NaN) */
-INLINE void fused_q8_scales(const int32_t lk[FUSED_GROUP], const int32_t hk[FUSED_GROUP], uint16_t d16[FUSED_GROUP],
-                            float inv[FUSED_GROUP])
+INLINE void fused_q8_scales(__m256 lo, __m256 hi, __m256 nan, uint16_t d16[FUSED_GROUP], float inv[FUSED_GROUP])
 {
-    __m256 lo, hi;
-    const __m256 nan = fused_nan_lanes(lk, hk, &lo, &hi), neg = _mm256_xor_ps(lo, _mm256_set1_ps(-0.0f));
+    const __m256 neg = _mm256_xor_ps(lo, _mm256_set1_ps(-0.0f));
     const __m256 amax = _mm256_blendv_ps(hi, neg, _mm256_cmp_ps(hi, neg, _CMP_LT_OQ));   /* hi < neg ? neg : hi */
     __m256 t = _mm256_div_ps(amax, _mm256_set1_ps(127.0f));
     t = _mm256_blendv_ps(t, _mm256_set1_ps(FP16_MAX), _mm256_cmp_ps(t, _mm256_set1_ps(FP16_MAX), _CMP_GT_OQ));
@@ -130,13 +177,11 @@ INLINE void fused_q8_encode(int elem, const char *x, int64_t nb, uint8_t *restri
     const __m256 lo127 = _mm256_set1_ps(-127.0f), hi127 = _mm256_set1_ps(127.0f);
     for (int64_t g = 0; g < nb; g += FUSED_GROUP) {
         const int n = nb - g < FUSED_GROUP ? (int)(nb - g) : FUSED_GROUP;
-        int32_t lk[FUSED_GROUP] = {0}, hk[FUSED_GROUP] = {0};
-        __m256 v[4];
-        for (int k = 0; k < n; k++)
-            fused_block_in(elem, x + k * xb, v, &lk[k], &hk[k]);
+        __m256 lo, hi;
+        const __m256 nan = fused_group_range(elem, x, n, &lo, &hi);
         float inv[FUSED_GROUP];
         uint16_t d16[FUSED_GROUP];
-        fused_q8_scales(lk, hk, d16, inv);
+        fused_q8_scales(lo, hi, nan, d16, inv);
         for (int k = 0; k < n; k++, x += xb, q += qb) {
             put16(q, d16[k]);
             if (inv[k] == 0.0f) {                               /* zeros, NaN: codes 0 */
@@ -167,11 +212,10 @@ INLINE void fused_q8_decode(int elem, char *x, int64_t nb, const uint8_t *restri
 /* encode_blocks' q4 parameters for eight blocks: m = lo clamped to fp16's range, rounded down to fp16; d = (hi -
  * m) / 15 clamped, as fp16; inv = 1 / d, 0 where d is not positive or the block holds a NaN (whose d and m are
  * written as the quiet NaN) */
-INLINE void fused_q4_params(const int32_t lk[FUSED_GROUP], const int32_t hk[FUSED_GROUP], uint16_t d16[FUSED_GROUP],
-                            uint16_t m16[FUSED_GROUP], float mf[FUSED_GROUP], float inv[FUSED_GROUP])
+INLINE void fused_q4_params(__m256 lo, __m256 hi, __m256 nan, uint16_t d16[FUSED_GROUP], uint16_t m16[FUSED_GROUP],
+                            float mf[FUSED_GROUP], float inv[FUSED_GROUP])
 {
-    __m256 lo, hi;
-    const __m256 nan = fused_nan_lanes(lk, hk, &lo, &hi), max = _mm256_set1_ps(FP16_MAX);
+    const __m256 max = _mm256_set1_ps(FP16_MAX);
     lo = _mm256_blendv_ps(lo, _mm256_set1_ps(-FP16_MAX), _mm256_cmp_ps(lo, _mm256_set1_ps(-FP16_MAX), _CMP_LT_OQ));
     lo = _mm256_blendv_ps(lo, max, _mm256_cmp_ps(lo, max, _CMP_GT_OQ));
     __m128i m = _mm256_cvtps_ph(lo, F16C_ROUND);
@@ -204,13 +248,11 @@ INLINE void fused_q4_encode(int elem, const char *x, int64_t nb, uint8_t *restri
     const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.0f);
     for (int64_t g = 0; g < nb; g += FUSED_GROUP) {
         const int n = nb - g < FUSED_GROUP ? (int)(nb - g) : FUSED_GROUP;
-        int32_t lk[FUSED_GROUP] = {0}, hk[FUSED_GROUP] = {0};
-        __m256 v[4];
-        for (int k = 0; k < n; k++)
-            fused_block_in(elem, x + k * xb, v, &lk[k], &hk[k]);
+        __m256 lo, hi;
+        const __m256 nan = fused_group_range(elem, x, n, &lo, &hi);
         float inv[FUSED_GROUP], mf[FUSED_GROUP];
         uint16_t d16[FUSED_GROUP], m16[FUSED_GROUP];
-        fused_q4_params(lk, hk, d16, m16, mf, inv);
+        fused_q4_params(lo, hi, nan, d16, m16, mf, inv);
         for (int k = 0; k < n; k++, x += xb, q += qb) {
             put16(q, d16[k]);
             put16(q + 2, m16[k]);

@@ -2,7 +2,8 @@
 
 Measured once per sweep and format on one layer-sized tensor of the workload (``[prompt_len, B*H, D]`` in the
 model's dtype), median of ``reps`` timed runs after a warm-up, with torch's threads as the inference process
-would have them. Rates are GB/s of decoded input (fp16 bytes for an fp16 model).
+would have them: quantize into preallocated rows (``SlotTensors.put``), dequantize into a preallocated tensor
+(``SlotTensors.take``). Rates are GB/s of decoded input (fp16 bytes for an fp16 model).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def measure(fmt: str, spec: WorkloadSpec, reps: int = 7) -> dict[str, Any]:
     dtype = getattr(torch, _TORCH_DTYPES.get(spec.dtype_bytes, "float16"))
     x = torch.randn(shape, dtype=torch.float32).mul_(2.0).to(dtype)
     rows = f.encode(x)
+    back = torch.empty_like(x)      # decoded into a tensor the client holds, as SlotTensors.take does
     nbytes = x.numel() * x.element_size()
     q, d = [], []
     for i in range(reps + 1):
         t = time.perf_counter()
         f.encode(x, out=rows)
         t1 = time.perf_counter()
-        f.decode(rows, dtype)
+        f.decode(rows, out=back)
         t2 = time.perf_counter()
         if i:                      # the first is the warm-up
             q.append(t1 - t)
