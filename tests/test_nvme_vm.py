@@ -154,13 +154,13 @@ class VMBatch:
     so one VM leaves the host's second core mostly idle. Closing the batch ends every harness still running
     (its trap stops QEMU) and drops the configurations not yet started."""
 
-    def __init__(self, root: Path, parallel: int) -> None:
+    def __init__(self, cases: list[VMCase], root: Path, parallel: int) -> None:
         self._root = root
         self._procs: set[subprocess.Popen[str]] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="nvme-vm")
-        order = sorted(CASES, key=lambda c: -c.vm_timeout_s)           # the slowest kernel first
+        order = sorted(cases, key=lambda c: -c.vm_timeout_s)           # the slowest kernel first
         self.runs: dict[str, Future[CaseRun]] = {c.name: self._pool.submit(self._run, c) for c in order}
 
     def _run(self, case: VMCase) -> CaseRun:
@@ -209,7 +209,7 @@ class VMBatch:
 
 
 @pytest.fixture(scope="module")
-def vm_batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VMBatch]:
+def vm_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VMBatch]:
     assert HARNESS.is_file(), f"{HARNESS} is missing"
     assert list((REPO / "bladed").glob("_uring*.so")), (
         "bladed/_uring*.so is not built in place; the VM imports bladed from the checkout "
@@ -219,7 +219,10 @@ def vm_batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VMBatch]:
     setup = subprocess.run([str(HARNESS), "--setup"], cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
                            text=True, timeout=900)
     assert setup.returncode == 0, f"{HARNESS.relative_to(REPO)} --setup failed:\n{setup.stderr[-4000:]}"
-    batch = VMBatch(tmp_path_factory.mktemp("nvme-vm"), VM_PARALLEL)
+    # only the configurations this run selected (-k lba512 boots one VM)
+    chosen = {item.callspec.params["case"].name for item in request.session.items
+              if isinstance(item, pytest.Function) and item.originalname == "test_vm_suite_passes"}
+    batch = VMBatch([c for c in CASES if c.name in chosen], tmp_path_factory.mktemp("nvme-vm"), VM_PARALLEL)
     try:
         yield batch
     finally:
