@@ -39,17 +39,23 @@ HARNESS = REPO / "tools" / "nvme-vm" / "run-in-nvme-vm.sh"
 
 NS_SIZE = "5G"        # sparse; over 4 GiB so that a whole-namespace discard needs several DSM ranges
 FAULTY_SECTOR = 2048  # a second namespace fails every command touching byte 1 MiB (tests/vm/test_faults_in_vm.py)
-# the harness kills the VM after this.  A busybox case takes 134-141 s on an idle host (docs/nvme-vm.md) but
-# 382-477 s at a host load of 5-6, and lba512-mdts7 ran into the former 480 s at a load of 7 with every test it
-# had reached passing; two VMs at a time (VM_PARALLEL) slow each other down on this 2-core host
-VM_TIMEOUT_S = 1500
+# the harness kills the VM after this (times VM_PARALLEL).  A busybox case takes 134-141 s on an idle host
+# (docs/nvme-vm.md) but 382-477 s at a host load of 5-6, and lba512-mdts7 ran into the former 480 s at a load of
+# 7 with every test it had reached passing
+VM_TIMEOUT_S = 900
 # systemd's boot to basic.target and four daemon start-ups (two with --check-config) under TCG: 4-6 min
 # measured here (docs/nvme-vm.md), up to twice that on a loaded host
-SYSTEMD_VM_TIMEOUT_S = 1200
+SYSTEMD_VM_TIMEOUT_S = 900
 # 5.10: the daemon tests run slower there (docs/nvme-vm.md): 764 s boot to power-off at a host load of 4-6
-K510_VM_TIMEOUT_S = 1800
-#: configurations booted at a time (VMBatch); BLADED_VM_PARALLEL=1 runs them one after another
-VM_PARALLEL = max(1, int(os.environ.get("BLADED_VM_PARALLEL", "2")))
+K510_VM_TIMEOUT_S = 1200
+#: configurations booted at a time (VMBatch).  1 on this 2-core machine: a guest alone keeps one core busy on
+#: average, yet two at a time took each 2.1x as long (docs/nvme-vm.md), no faster in all
+VM_PARALLEL = max(1, int(os.environ.get("BLADED_VM_PARALLEL", "1")))
+#: the daemon-level modules that only lba4096-mdts5 runs: above the extent layer they do the same on any
+#: geometry, and they are most of a configuration's time (docs/nvme-vm.md)
+FIRST_CONFIGURATION_ONLY = ("tests/vm/test_prefix_in_vm.py", "tests/vm/test_replan_in_vm.py")
+#: ... and these where the engine and the LBA size are lba4096-mdts5's (io_uring_cmd, 4 KiB)
+SAME_ENGINE_SKIPS = ("tests/vm/test_faults_in_vm.py",)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class VMCase:
     #: features this kernel lacks (tests/vm's kernel_feature marker): the tests that need one skip, saying
     #: "needs NAME: ...", and must (the probe found it missing); any other skip fails the case
     missing_features: tuple[str, ...] = ()
+    #: modules of tests/vm this configuration leaves out (another one runs them)
+    leaves_out: tuple[str, ...] = ()
 
     @property
     def markers(self) -> str:
@@ -75,16 +83,17 @@ CASES = [
            missing_features=("io_uring_disabled",)),
     VMCase("lba512-mdts7", ("--lba", "512"),
            "512-byte LBA with QEMU's default MDTS (512 KiB), capped below 512 KiB by max_segments; kernel 6.1",
-           missing_features=("io_uring_disabled",)),
+           missing_features=("io_uring_disabled",), leaves_out=FIRST_CONFIGURATION_ONLY),
     VMCase("lba4096-mdts5-k5.10", ("--kernel", "5.10", "--lba", "4096", "--mdts", "5"),
            "Debian 11's 5.10 kernel: no /dev/ngXnY and no io_uring_cmd, so the namespace is its block node "
            "/dev/nvme0n1 and the direct path is the portable engine's NVMe ioctl passthrough, chunked by MDTS "
            "128 KiB; no cachestat(2)",
            missing_features=("io_uring_cmd", "nvme_generic_chardev", "io_uring_disabled"),
-           vm_timeout_s=K510_VM_TIMEOUT_S),
+           vm_timeout_s=K510_VM_TIMEOUT_S, leaves_out=FIRST_CONFIGURATION_ONLY),
     VMCase("lba4096-mdts8-k6.12", ("--kernel", "6.12", "--lba", "4096", "--mdts", "8"),
            "MDTS 1 MiB above the max_segments cap of 4 KiB pages (hugetlb pages reach it); Debian 12's "
-           "6.12 kernel, where fixed (registered) buffers work for passthrough"),
+           "6.12 kernel, where fixed (registered) buffers work for passthrough",
+           leaves_out=FIRST_CONFIGURATION_ONLY + SAME_ENGINE_SKIPS),
     VMCase("systemd-cgroup2-k6.12", ("--init", "systemd", "--kernel", "6.12", "--lba", "4096", "--namespaces", "2"),
            "systemd 252 as PID 1 on a cgroup-v2-only 6.12 kernel: the shipped unit and udev rule "
            "(tests/vm/test_systemd_in_vm.py) and the budget against real v2 cgroups "
@@ -93,7 +102,7 @@ CASES = [
 ]
 
 #: a test waits for its configuration, which may be queued behind the others: at worst the whole batch
-BATCH_TIMEOUT_S = sum(c.vm_timeout_s + 60 for c in CASES) // VM_PARALLEL + max(c.vm_timeout_s for c in CASES) + 120
+BATCH_TIMEOUT_S = sum(c.vm_timeout_s * VM_PARALLEL + 60 for c in CASES) + 120
 
 
 def _guest_env() -> dict[str, str]:
@@ -105,9 +114,9 @@ def _guest_env() -> dict[str, str]:
     return env
 
 
-def _inner_pytest(junit: Path, markers: str) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "tests/vm", "-m", markers, "-q",
-           "-p", "no:cacheprovider", f"--junitxml={junit}"]
+def _inner_pytest(junit: Path, case: VMCase) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "tests/vm", "-m", case.markers, "-q",
+           "-p", "no:cacheprovider", f"--junitxml={junit}", *(f"--ignore={m}" for m in case.leaves_out)]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd[3:3] = ["-p", "pytest_timeout"]
     return cmd
@@ -168,8 +177,8 @@ class VMBatch:
         tmp.mkdir(parents=True, exist_ok=True)
         junit = tmp / "junit.xml"
         faulty = ("--faulty-sector", str(FAULTY_SECTOR)) if case.faulty_namespace else ()
-        cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, *faulty, "--timeout", str(case.vm_timeout_s),
-               "--rw", str(tmp), "--", *_inner_pytest(junit, case.markers)]
+        cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, *faulty, "--timeout",
+               str(case.vm_timeout_s * VM_PARALLEL), "--rw", str(tmp), "--", *_inner_pytest(junit, case)]
         lines = [f"[{case.name}] {case.shows}\n", f"$ {' '.join(cmd)}\n"]
         t0 = time.monotonic()
         rc = 125
