@@ -8,9 +8,11 @@ kernel lacks NAME (``VMCase.missing_features``, e.g. ``io_uring_cmd`` on 5.10).
 
 Each configuration costs one boot (about 5 s under TCG) plus Python and
 pytest start-up inside the guest (10-20 s under TCG) plus the tests; see
-docs/nvme-vm.md for measured times.  The configurations boot two at a time
-(``VMBatch``; ``BLADED_VM_PARALLEL``): a guest keeps about one of the host's two
-cores busy.  Inside the guest pytest's plugin
+docs/nvme-vm.md for measured times.  The configurations boot one after another
+on a fixture's thread (``VMBatch``; ``BLADED_VM_PARALLEL=2`` boots two at a time,
+which does not pay on a 2-core host), and all but the first leave out the
+daemon-level modules that do the same on any geometry (``VMCase.leaves_out``).
+Inside the guest pytest's plugin
 autoloading is switched off (it alone costs 25-30 s under TCG) and only
 pytest-timeout is loaded, so tests in tests/vm must not rely on other
 plugins' fixtures.
@@ -158,10 +160,8 @@ class CaseRun:
 class VMBatch:
     """The configurations, booted :data:`VM_PARALLEL` at a time on background threads from the first test that
     asks for one, longest first; each test waits for its own configuration's run (a future, not a poll).
-
-    Why in parallel: a guest's tests keep about one of its two vCPUs busy (one pytest, one daemon at a time),
-    so one VM leaves the host's second core mostly idle. Closing the batch ends every harness still running
-    (its trap stops QEMU) and drops the configurations not yet started."""
+    Closing the batch ends every harness still running (its trap stops QEMU) and drops the configurations not
+    yet started."""
 
     def __init__(self, cases: list[VMCase], root: Path, parallel: int) -> None:
         self._root = root
