@@ -96,10 +96,10 @@ INLINE void fused_block_range16(const char *x, uint16_t *lo, uint16_t *hi)
     const __m256i mn = _mm256_min_epi16(k0, k1), mx = _mm256_max_epi16(k0, k1);
     const __m128i a = _mm_min_epi16(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
     const __m128i b = _mm_max_epi16(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
-    const uint16_t kl = (uint16_t)(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(a, _mm_set1_epi16((short)0x8000)))) ^ 0x8000);
-    const uint16_t kh = (uint16_t)(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(b, _mm_set1_epi16(0x7FFF)))) ^ 0x7FFF);
-    *lo = kl;                                           /* keys still: fused_group_range turns them back */
-    *hi = kh;
+    const __m128i bias = _mm_set1_epi16((short)0x8000), flip = _mm_set1_epi16(0x7FFF);
+    /* keys still (fused_group_range turns them back); minpos's index bits 16-18 fall off the cast */
+    *lo = (uint16_t)(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(a, bias))) ^ 0x8000);
+    *hi = (uint16_t)(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(b, flip))) ^ 0x7FFF);
 }
 
 /* the smallest and largest value of each of a group's n blocks at x (lanes n.. zero) as float32, and the lanes
@@ -144,11 +144,21 @@ INLINE __m256i fused_round(__m256 y, __m256 lo, __m256 hi)
     return _mm256_cvttps_epi32(_mm256_round_ps(y, F16C_ROUND));
 }
 
-/* t (float32) to fp16 and back: the stored scale and the one the codes use */
-INLINE __m256 fused_via_f16(__m256 t, __m128i *t16)
+/* the end of eight blocks' scale chains, shared by q8 and q4: t clamped to fp16's largest and rounded to fp16,
+ * stored (d16: the quiet NaN where the block holds a NaN) and its reciprocal as the codes use it (inv: 0 where
+ * the scale is not positive or the block holds a NaN); the NaN lanes as 16-bit masks */
+INLINE __m128i fused_scale_out(__m256 t, __m256 nan, uint16_t d16[FUSED_GROUP], float inv[FUSED_GROUP])
 {
-    *t16 = _mm256_cvtps_ph(t, F16C_ROUND);
-    return _mm256_cvtph_ps(*t16);
+    const __m256 max = _mm256_set1_ps(FP16_MAX);
+    t = _mm256_blendv_ps(t, max, _mm256_cmp_ps(t, max, _CMP_GT_OQ));
+    const __m128i t16 = _mm256_cvtps_ph(t, F16C_ROUND);
+    t = _mm256_cvtph_ps(t16);
+    const __m256 none = _mm256_or_ps(nan, _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_NGT_UQ));  /* !(t > 0) */
+    _mm256_storeu_ps(inv, _mm256_andnot_ps(none, _mm256_div_ps(_mm256_set1_ps(1.0f), t)));
+    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(nan)),
+                                          _mm256_extracti128_si256(_mm256_castps_si256(nan), 1));
+    _mm_storeu_si128((__m128i *)d16, _mm_blendv_epi8(t16, _mm_set1_epi16((short)FP16_QNAN), nan16));
+    return nan16;
 }
 
 /* encode_blocks' q8 scales for eight blocks: d = max(hi, -lo) / 127 clamped, as fp16; inv = 1 / d, 0 where d is
@@ -157,15 +167,7 @@ INLINE void fused_q8_scales(__m256 lo, __m256 hi, __m256 nan, uint16_t d16[FUSED
 {
     const __m256 neg = _mm256_xor_ps(lo, _mm256_set1_ps(-0.0f));
     const __m256 amax = _mm256_blendv_ps(hi, neg, _mm256_cmp_ps(hi, neg, _CMP_LT_OQ));   /* hi < neg ? neg : hi */
-    __m256 t = _mm256_div_ps(amax, _mm256_set1_ps(127.0f));
-    t = _mm256_blendv_ps(t, _mm256_set1_ps(FP16_MAX), _mm256_cmp_ps(t, _mm256_set1_ps(FP16_MAX), _CMP_GT_OQ));
-    __m128i t16;
-    t = fused_via_f16(t, &t16);
-    const __m256 none = _mm256_or_ps(nan, _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_NGT_UQ));  /* !(t > 0) */
-    _mm256_storeu_ps(inv, _mm256_andnot_ps(none, _mm256_div_ps(_mm256_set1_ps(1.0f), t)));
-    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(nan)),
-                                          _mm256_extracti128_si256(_mm256_castps_si256(nan), 1));
-    _mm_storeu_si128((__m128i *)d16, _mm_blendv_epi8(t16, _mm_set1_epi16((short)FP16_QNAN), nan16));
+    fused_scale_out(_mm256_div_ps(amax, _mm256_set1_ps(127.0f)), nan, d16, inv);
 }
 
 /* nb blocks of 32 values at x (contiguous) into q8 blocks at q, eight blocks at a time: their keys, then their
@@ -228,16 +230,9 @@ INLINE void fused_q4_params(__m256 lo, __m256 hi, __m256 nan, uint16_t d16[FUSED
     down = _mm_blendv_epi8(down, _mm_set1_epi16((short)0x8001), zero);
     m = _mm_blendv_epi8(m, down, up);
     const __m256 mv = _mm256_cvtph_ps(m);
-    __m256 t = _mm256_div_ps(_mm256_sub_ps(hi, mv), _mm256_set1_ps(15.0f));
-    t = _mm256_blendv_ps(t, max, _mm256_cmp_ps(t, max, _CMP_GT_OQ));
-    __m128i t16;
-    t = fused_via_f16(t, &t16);
-    const __m256 none = _mm256_or_ps(nan, _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_NGT_UQ));  /* !(t > 0) */
-    _mm256_storeu_ps(inv, _mm256_andnot_ps(none, _mm256_div_ps(_mm256_set1_ps(1.0f), t)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(hi, mv), _mm256_set1_ps(15.0f));
+    const __m128i nan16 = fused_scale_out(t, nan, d16, inv);
     _mm256_storeu_ps(mf, mv);
-    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(nan)),
-                                          _mm256_extracti128_si256(_mm256_castps_si256(nan), 1));
-    _mm_storeu_si128((__m128i *)d16, _mm_blendv_epi8(t16, _mm_set1_epi16((short)FP16_QNAN), nan16));
     _mm_storeu_si128((__m128i *)m16, _mm_blendv_epi8(m, _mm_set1_epi16((short)FP16_QNAN), nan16));
 }
 
