@@ -36,7 +36,7 @@ from test_faults import oom_kills
 from test_replan_live import Model, open_models, pc_files
 
 from bladed.client import Client
-from bladed.io.diskstats import BlockStat
+from bladed.io.diskstats import BlockStat, block_stat_of
 from bladed.io.errors import BladedIOError
 from bladed.io.pagecache import PageCacheStore
 
@@ -129,8 +129,8 @@ def test_memory_backing_without_live_replanning_is_refused_in_one_line(tmp: str)
 # -- the drive ------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def ext4_on_loop(size: int) -> Iterator[tuple[str, str]]:
-    """An ext4 filesystem on a loop device of its own, mounted: (mount point, /sys/block/<loop> directory)."""
+def ext4_on_loop(size: int) -> Iterator[tuple[str, BlockStat]]:
+    """An ext4 filesystem on a loop device of its own, mounted: (mount point, the loop device's counters)."""
     with short_tmpdir() as base:
         img, mnt = os.path.join(base, "fs.img"), os.path.join(base, "mnt")
         os.mkdir(mnt)
@@ -141,17 +141,15 @@ def ext4_on_loop(size: int) -> Iterator[tuple[str, str]]:
         try:
             subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev],
                            check=True, capture_output=True)
+            counters = block_stat_of(dev)
+            assert isinstance(counters, BlockStat), counters
             subprocess.run(["mount", "-t", "ext4", dev, mnt], check=True, capture_output=True)
             try:
-                yield mnt, f"/sys/block/{os.path.basename(dev)}"
+                yield mnt, counters
             finally:
                 subprocess.run(["umount", mnt], check=False)
         finally:
             subprocess.run(["losetup", "-d", dev], check=False)
-
-
-def written_bytes(sysdir: str) -> int:
-    return BlockStat(os.path.basename(sysdir), os.path.join(sysdir, "stat")).written_bytes()
 
 
 @contextlib.contextmanager
@@ -191,12 +189,12 @@ def test_kv_that_fits_in_memory_never_reaches_the_drive() -> None:
         daemons = [DaemonProcess(state, cfg).start() for state, cfg in cfgs.items()]
         try:
             os.sync()                                    # the store files and the daemons' start-up, on disk
-            before = {dev: written_bytes(dev) for dev in (mem_dev, disk_dev)}
+            before = {dev: dev.written_bytes() for dev in (mem_dev, disk_dev)}
             clients = [Client(d.socket_path) for d in daemons]
             models = [open_models(c, [MIB_KPUS])[0] for c in clients]
-            wait_until(lambda: written_bytes(disk_dev) - before[disk_dev] >= whole, 60,
+            wait_until(lambda: disk_dev.written_bytes() - before[disk_dev] >= whole, 60,
                        "the writeback of the disk-backed session's KV")
-            assert written_bytes(mem_dev) - before[mem_dev] <= kv // 100
+            assert mem_dev.written_bytes() - before[mem_dev] <= kv // 100
             for m in models:
                 assert set(m.check().values()) == {"pagecache"}
                 m.sess.close()

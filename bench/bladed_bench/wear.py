@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladed.io.diskstats import BlockStat
+from bladed.io.diskstats import BlockStat, block_stat_of
 from bladed.residency.geometry import Geometry
 from bladed.torchdisk import OP_WRITE, TorchDiskClient
 from bladed_bench import environment
@@ -87,8 +87,9 @@ class ChatSpec:
 # -- the device of a side -----------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def loop_filesystem(workdir: str, size: int) -> Iterator[tuple[str, str]]:
-    """ext4 on a loop device of its own over a file in ``workdir``, mounted: (mount point, /sys/block dir)."""
+def loop_filesystem(workdir: str, size: int) -> Iterator[tuple[str, BlockStat]]:
+    """ext4 on a loop device of its own over a file in ``workdir``, mounted: (mount point, the loop device's
+    counters)."""
     img, mnt = os.path.join(workdir, "fs.img"), os.path.join(workdir, "mnt")
     os.makedirs(mnt, exist_ok=True)
     with open(img, "wb") as f:
@@ -101,18 +102,16 @@ def loop_filesystem(workdir: str, size: int) -> Iterator[tuple[str, str]]:
                        capture_output=True)
         subprocess.run(["mount", "-t", "ext4", dev, mnt], check=True, capture_output=True)
         try:
-            yield mnt, f"/sys/block/{os.path.basename(dev)}"
+            counters = block_stat_of(dev)
+            if isinstance(counters, str):
+                raise RuntimeError(counters)
+            yield mnt, counters
         finally:
             subprocess.run(["umount", mnt], check=False, capture_output=True)
     finally:
         subprocess.run(["losetup", "-d", dev], check=False)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(img)
-
-
-def written(sysdir: str) -> int:
-    """Bytes the kernel says the block device at ``sysdir`` (``/sys/block/<dev>``) wrote since boot."""
-    return BlockStat(os.path.basename(sysdir), os.path.join(sysdir, "stat")).written_bytes()
 
 
 # -- one conversation -------------------------------------------------------------------------------------
@@ -224,7 +223,7 @@ def run_side(side: str, spec: ChatSpec, workdir: str, say: Callable[[str], None]
     os.makedirs(side_dir)
     rec: dict[str, Any] = {"side": side, "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
     fs_bytes = align_up_mib(4 * spec.sessions * kv_session + 256 * MiB)
-    with loop_filesystem(side_dir, fs_bytes) as (mnt, sysdir):
+    with loop_filesystem(side_dir, fs_bytes) as (mnt, device):
         # the owner's own memory (interpreter, libraries, staging slots) and room for this many sessions' KV
         limit = 96 * MiB + 2 * spec.sessions * g.kpu_bytes + int(spec.sessions_in_memory * kv_session)
         cg = MemCgroup(limit, prefix="bladed-wear") if os.geteuid() == 0 else None
@@ -242,7 +241,7 @@ def run_side(side: str, spec: ChatSpec, workdir: str, say: Callable[[str], None]
                 daemon = BenchDaemon(os.path.join(mnt, "state"), align_up_mib(spec.sessions * kv_session + 64 * MiB),
                                      launcher, extra)
             os.sync()
-            before = written(sysdir)
+            before = device.written_bytes()
             t0 = time.monotonic()
             threads = []
             for i in range(spec.sessions):
@@ -257,11 +256,11 @@ def run_side(side: str, spec: ChatSpec, workdir: str, say: Callable[[str], None]
             for t in threads:
                 t.join()
             rec["workload_s"] = round(time.monotonic() - t0, 1)
-            rec["written_before_sync"] = written(sysdir) - before
+            rec["written_before_sync"] = device.written_bytes() - before
             if daemon is not None:
                 rec["daemon_stats"] = daemon_stats(daemon.socket_path)
             os.sync()
-            rec["device_written_bytes"] = written(sysdir) - before
+            rec["device_written_bytes"] = device.written_bytes() - before
             if cg is not None:
                 rec["cgroup"] = {"limit_bytes": limit, "peak_bytes": cg.peak(), "failcnt": cg.failcnt(),
                                  "events": cg.events()}
@@ -310,9 +309,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                 row["bladed_direct_written_by_cause"] = causes
                 # the direct path's own amplification: what its requests and its extents' moves wrote against the
                 # KV bytes sent there (demotions copy page-cache KV: they are the page-cache path's cost, below)
-                direct = causes.get("requests", own) + causes.get("extent_move", 0)
+                requests = causes.get("requests", own)
+                direct = requests + causes.get("extent_move", 0)
                 row["direct_device_per_kv"] = direct / kv_direct if kv_direct else None
-                row["direct_requests_per_kv"] = causes.get("requests", own) / kv_direct if kv_direct else None
+                row["direct_requests_per_kv"] = requests / kv_direct if kv_direct else None
                 # the page-cache path: the kernel's writeback (the rest of the device's count: the filesystem's
                 # journal included) and bladed's demotions of its KV
                 row["pagecache_device_bytes"] = max(0, r["device_written_bytes"] - own) + causes.get("demotion", 0)
