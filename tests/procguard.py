@@ -2,8 +2,7 @@
 
 Every process the suite starts carries two environment variables: ``BLADED_TEST_SESSION``, a token of this
 pytest session (after the tokens of any pytest run this one runs inside), and ``BLADED_TEST_NODEID``, the
-test that was running when it started (absent, or empty, for what a module- or session-scoped fixture starts:
-:func:`for_fixture` where it starts it on a thread beside the tests). They
+test that was running when it started (absent for what a module- or session-scoped fixture starts). They
 are set in this process's environment, which children inherit, and added to the ``env`` a test hands to
 ``subprocess.Popen``. A daemon keeps them through a double fork, a new session or a new process group, and
 they cannot mark an unrelated process: the token is new each session.
@@ -176,20 +175,10 @@ def end(procs: list[Proc], grace: float = GRACE_S) -> list[str]:
     return [f"{p.describe()}: {how[p.pid]}" for p in procs if p.pid in fds]
 
 
-def for_fixture(env: Any) -> Any:
-    """``env`` for a process that a module- or session-scoped fixture starts from a thread of its own while
-    tests run: it belongs to no test (an empty ``BLADED_TEST_NODEID``, which :func:`tagged` keeps), so only
-    the session's end and the fixture itself end it."""
-    return {**env, TEST_VAR: ""}
-
-
 def tagged(env: Any) -> Any:
-    """``env`` with this session's tags (those of this process's environment), for a child's environment; an
-    empty ``BLADED_TEST_NODEID`` in ``env`` stays (:func:`for_fixture`)."""
+    """``env`` with this session's tags (those of this process's environment), for a child's environment."""
     env = dict(env)
     for var in (SESSION_VAR, TEST_VAR):
-        if var == TEST_VAR and env.get(var) == "":
-            continue
         if var in os.environ:
             env[var] = os.environ[var]
         else:

@@ -8,11 +8,9 @@ kernel lacks NAME (``VMCase.missing_features``, e.g. ``io_uring_cmd`` on 5.10).
 
 Each configuration costs one boot (about 5 s under TCG) plus Python and
 pytest start-up inside the guest (10-20 s under TCG) plus the tests; see
-docs/nvme-vm.md for measured times.  The configurations boot one after another
-on a fixture's thread (``VMBatch``; ``BLADED_VM_PARALLEL=2`` boots two at a time,
-which does not pay on a 2-core host), and all but the first leave out the
-daemon-level modules that do the same on any geometry (``VMCase.leaves_out``).
-Inside the guest pytest's plugin
+docs/nvme-vm.md for measured times.  All configurations but the first leave
+out the daemon-level modules that do the same on any geometry
+(``VMCase.leaves_out``).  Inside the guest pytest's plugin
 autoloading is switched off (it alone costs 25-30 s under TCG) and only
 pytest-timeout is loaded, so tests in tests/vm must not rely on other
 plugins' fixtures.
@@ -24,35 +22,28 @@ import importlib.util
 import os
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from daemon_util import end_process, ended
-from procguard import for_fixture
+from daemon_util import ended
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tools" / "nvme-vm" / "run-in-nvme-vm.sh"
 
 NS_SIZE = "5G"        # sparse; over 4 GiB so that a whole-namespace discard needs several DSM ranges
 FAULTY_SECTOR = 2048  # a second namespace fails every command touching byte 1 MiB (tests/vm/test_faults_in_vm.py)
-# the harness kills the VM after this (times VM_PARALLEL).  A busybox case takes 134-141 s on an idle host
-# (docs/nvme-vm.md) but 382-477 s at a host load of 5-6, and lba512-mdts7 ran into the former 480 s at a load of
-# 7 with every test it had reached passing
+# the harness kills the VM after this (each case's pytest timeout is 60 s more).  A busybox case takes
+# 134-141 s on an idle host (docs/nvme-vm.md) but 382-477 s at a host load of 5-6, and lba512-mdts7 ran
+# into the former 480 s at a load of 7 with every test it had reached passing
 VM_TIMEOUT_S = 900
 # systemd's boot to basic.target and four daemon start-ups (two with --check-config) under TCG: 4-6 min
 # measured here (docs/nvme-vm.md), up to twice that on a loaded host
 SYSTEMD_VM_TIMEOUT_S = 900
 # 5.10: the daemon tests run slower there (docs/nvme-vm.md): 764 s boot to power-off at a host load of 4-6
 K510_VM_TIMEOUT_S = 1200
-#: configurations booted at a time (VMBatch).  1 on this 2-core machine: a guest alone keeps one core busy on
-#: average, yet two at a time took each 2.1x as long (docs/nvme-vm.md), no faster in all
-VM_PARALLEL = max(1, int(os.environ.get("BLADED_VM_PARALLEL", "1")))
 #: the daemon-level modules that only lba4096-mdts5 runs: above the extent layer they do the same on any
 #: geometry, and they are most of a configuration's time (docs/nvme-vm.md)
 FIRST_CONFIGURATION_ONLY = ("tests/vm/test_prefix_in_vm.py", "tests/vm/test_replan_in_vm.py")
@@ -103,9 +94,6 @@ CASES = [
            systemd=True, faulty_namespace=False, vm_timeout_s=SYSTEMD_VM_TIMEOUT_S),
 ]
 
-#: a test waits for its configuration, which may be queued behind the others: at worst the whole batch
-BATCH_TIMEOUT_S = sum(c.vm_timeout_s * VM_PARALLEL + 60 for c in CASES) + 120
-
 
 def _guest_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
@@ -148,104 +136,41 @@ def _read_junit(path: Path) -> Outcome:
     return Outcome(tests, failed, skipped, xfailed)
 
 
-@dataclass
-class CaseRun:
-    """One configuration's run of the harness: its exit status, its output and where its report is."""
-    rc: int
-    lines: list[str]
-    wall_s: float
-    junit: Path
-
-
-class VMBatch:
-    """The configurations, booted :data:`VM_PARALLEL` at a time on background threads from the first test that
-    asks for one, longest first; each test waits for its own configuration's run (a future, not a poll).
-    Closing the batch ends every harness still running (its trap stops QEMU) and drops the configurations not
-    yet started."""
-
-    def __init__(self, cases: list[VMCase], root: Path, parallel: int) -> None:
-        self._root = root
-        self._procs: set[subprocess.Popen[str]] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="nvme-vm")
-        order = sorted(cases, key=lambda c: -c.vm_timeout_s)           # the slowest kernel first
-        self.runs: dict[str, Future[CaseRun]] = {c.name: self._pool.submit(self._run, c) for c in order}
-
-    def _run(self, case: VMCase) -> CaseRun:
-        tmp = self._root / case.name
-        tmp.mkdir(parents=True, exist_ok=True)
-        junit = tmp / "junit.xml"
-        faulty = ("--faulty-sector", str(FAULTY_SECTOR)) if case.faulty_namespace else ()
-        cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, *faulty, "--timeout",
-               str(case.vm_timeout_s * VM_PARALLEL), "--rw", str(tmp), "--", *_inner_pytest(junit, case)]
-        lines = [f"[{case.name}] {case.shows}\n", f"$ {' '.join(cmd)}\n"]
-        t0 = time.monotonic()
-        rc = 125
-        # A guest kernel that panics while booting under TCG (seen once, in sched_init_debug, on a loaded host)
-        # never runs the command: boot again once.  A failure after the command started is never retried.
-        for _attempt in range(2):
-            # ended(): however the run ends, the harness gets SIGTERM (its trap stops QEMU), then it and
-            # everything below it SIGKILL
-            with self._lock:
-                if self._closed:
-                    break
-                proc = subprocess.Popen(cmd, cwd=REPO, env=for_fixture(_guest_env()), stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                self._procs.add(proc)
-            with proc, ended(proc, 60):
-                assert proc.stdout is not None
-                out = list(proc.stdout)
-                rc = proc.wait()
-            with self._lock:
-                self._procs.discard(proc)
-            lines += out
-            booted = junit.exists() or any("starting command" in ln or "passed" in ln for ln in out)
-            if rc != 125 or booted:
-                break
-            lines.append(f"[{case.name}] the guest did not boot (status 125, no test output); booting again\n")
-        return CaseRun(rc, lines, time.monotonic() - t0, junit)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            procs = list(self._procs)
-        for f in self.runs.values():
-            f.cancel()
-        for proc in procs:
-            end_process(proc, 60)
-        self._pool.shutdown(wait=True)
-
-
-@pytest.fixture(scope="module")
-def vm_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VMBatch]:
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=pytest.mark.timeout(c.vm_timeout_s + 60))
+                                  for c in CASES])
+def test_vm_suite_passes(case: VMCase, tmp_path: Path) -> None:
     assert HARNESS.is_file(), f"{HARNESS} is missing"
     assert list((REPO / "bladed").glob("_uring*.so")), (
         "bladed/_uring*.so is not built in place; the VM imports bladed from the checkout "
         "(pip install -e . --no-build-isolation)")
-    # the kernels and initramfs images first, once (3 s when tools/setup.sh made them): the parallel runs then
-    # only read the harness's cache
-    setup = subprocess.run([str(HARNESS), "--setup"], cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
-                           text=True, timeout=900)
-    assert setup.returncode == 0, f"{HARNESS.relative_to(REPO)} --setup failed:\n{setup.stderr[-4000:]}"
-    # only the configurations this run selected (-k lba512 boots one VM)
-    chosen = {item.callspec.params["case"].name for item in request.session.items
-              if isinstance(item, pytest.Function) and item.originalname == "test_vm_suite_passes"}
-    batch = VMBatch([c for c in CASES if c.name in chosen], tmp_path_factory.mktemp("nvme-vm"), VM_PARALLEL)
-    try:
-        yield batch
-    finally:
-        batch.close()
+    junit = tmp_path / "junit.xml"
+    faulty = ("--faulty-sector", str(FAULTY_SECTOR)) if case.faulty_namespace else ()
+    cmd = [str(HARNESS), *case.harness_args, "--size", NS_SIZE, *faulty, "--timeout", str(case.vm_timeout_s),
+           "--rw", str(tmp_path), "--", *_inner_pytest(junit, case)]
+    print(f"[{case.name}] {case.shows}\n$ {' '.join(cmd)}", flush=True)
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=pytest.mark.timeout(BATCH_TIMEOUT_S))
-                                  for c in CASES])
-def test_vm_suite_passes(case: VMCase, vm_batch: VMBatch) -> None:
-    run = vm_batch.runs[case.name].result()
-    print("".join(run.lines), end="")
-    rc, lines, junit = run.rc, run.lines, run.junit
-    print(f"[{case.name}] VM wall time {run.wall_s:.1f} s, exit status {rc}", flush=True)
+    t0 = time.monotonic()
+    # A guest kernel that panics while booting under TCG (seen once, in
+    # sched_init_debug, on a loaded host) never runs the command: boot again
+    # once.  A failure after the command started is never retried.
+    for _attempt in range(2):
+        lines: list[str] = []
+        # ended(): however the test ends (pytest-timeout too), the harness gets SIGTERM (its trap stops QEMU),
+        # then it and everything below it SIGKILL
+        with subprocess.Popen(cmd, cwd=REPO, env=_guest_env(), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc, ended(proc, 60):
+            assert proc.stdout is not None
+            for line in proc.stdout:          # streamed: visible live with -s, kept for the report
+                print(line, end="", flush=True)
+                lines.append(line)
+            rc = proc.wait()
+        booted = junit.exists() or any("starting command" in ln or "passed" in ln for ln in lines)
+        if rc != 125 or booted:
+            break
+        print(f"[{case.name}] the guest did not boot (status 125, no test output); booting again", flush=True)
+    wall = time.monotonic() - t0
+    print(f"[{case.name}] VM wall time {wall:.1f} s, exit status {rc}", flush=True)
 
     tail = "".join(lines[-80:])
     if rc in (124, 125):

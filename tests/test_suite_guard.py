@@ -1,7 +1,6 @@
 """The suite's own guarantee (tests/procguard.py): a process a test leaves running is ended and fails that
 test; one left at the end of the session (by a fixture, whatever its scope) is ended and fails the session;
-a process the session did not start is left alone; one that a fixture starts from its own thread while a
-test runs is the fixture's (procguard.for_fixture).
+a process the session did not start is left alone.
 
 Each case runs pytest on a small test file of its own, in a subprocess with the guard loaded (``-p
 procguard``), and checks its exit status, its one-line reports and that every leaked process is gone.
@@ -84,46 +83,6 @@ def test_ends_what_it_starts() -> None:
         p.kill()
 '''
 
-BACKGROUND = '''
-import os
-import subprocess
-import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
-import procguard
-import pytest
-
-
-@pytest.fixture(scope="module")
-def worker():
-    """Starts a process from a thread of its own while the first test runs, and ends it at its teardown."""
-    started = threading.Event()
-    procs = []
-
-    def start():
-        started.wait()
-        env = procguard.for_fixture(dict(os.environ))
-        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env))
-
-    with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(start)
-        yield started, job
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
-def test_starts_the_fixtures_process(worker) -> None:
-    started, job = worker
-    started.set()
-    job.result()
-
-
-def test_runs_beside_it(worker) -> None:
-    assert worker[1].done()
-'''
-
 
 def inner_pytest(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(body))
@@ -181,11 +140,3 @@ def test_leaked_processes_are_ended_and_fail_their_test_and_the_session(tmp_path
 def test_a_session_that_ends_what_it_starts_passes(tmp_path: Path) -> None:
     r = inner_pytest(tmp_path, CLEAN)
     assert r.returncode == 0 and "LEFTOVER" not in r.stdout + r.stderr, r.stdout + r.stderr
-
-
-def test_a_fixture_process_started_from_a_thread_during_a_test_is_the_fixtures(tmp_path: Path) -> None:
-    """tests/test_nvme_vm.py's VMBatch: a module fixture's thread starts processes while tests run; with
-    procguard.for_fixture they are no test's, so neither test errors and the fixture's teardown ends them."""
-    r = inner_pytest(tmp_path, BACKGROUND)
-    assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout + r.stderr
-    assert "left" not in r.stdout and "LEFTOVER" not in r.stdout + r.stderr, r.stdout + r.stderr
