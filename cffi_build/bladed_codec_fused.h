@@ -2,13 +2,13 @@
  * bladed_codec_fused.h - the AVX2 + F16C build's single-pass loops for the default block of 32 values: each
  * block goes from the float side to its bytes (and back) in registers, with no float32 staging and no
  * per-chunk passes (bladed_codec_kernels.h stages chunks of any block size through a float32 scratch; the
- * compiler cannot keep a block in registers there, and this path runs 2-4x faster).  Included by
+ * compiler cannot keep a block in registers there; docs/kv-formats.md has both paths' rates).  Included by
  * bladed_codec.c inside its `#pragma GCC target("avx2,f16c")` region.
  *
  * The arithmetic is bladed_codec_kernels.h's, op for op (and so the torch encoder's, bit for bit): the same
- * integer keys for a block's minimum and maximum, the same scale and minimum steps (one block at a time here,
- * scalar), the same products, clamps and round-to-nearest-even, and intrinsics only where they are the one
- * instruction C would compile to.  tests/test_kvformat_codec*.py hold both builds to the reference.
+ * integer keys for a block's minimum and maximum (on the fp16 bits themselves for fp16 input: the same order),
+ * the same scale and minimum steps (eight blocks' side by side in one vector), the same products, clamps and
+ * round-to-nearest-even.  tests/test_kvformat_codec*.py hold both builds to the reference.
  */
 
 #define FUSED_BLOCK 32
