@@ -290,8 +290,8 @@ class DecoderModel:
             return x + pe
         return F.embedding(ids, w["model.embed_tokens.weight"])
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits of the last position: ``[batch, vocab]``."""
+    def head(self, h: torch.Tensor, *, every_position: bool = False) -> torch.Tensor:
+        """Logits of the last position: ``[batch, vocab]`` (``every_position``: of each, ``[batch, s, vocab]``)."""
         w, cfg = self.weights, self.cfg
         if cfg.arch == "opt":
             if "model.decoder.final_layer_norm.weight" in w:
@@ -301,6 +301,8 @@ class DecoderModel:
                 h = _lin(h, w, "model.decoder.project_out")
         else:
             h = _rms(h, w["model.norm.weight"], cfg.rms_norm_eps)
+        if every_position:
+            return F.linear(h, w["lm_head.weight"])
         return F.linear(h[:, -1:, :], w["lm_head.weight"])[:, -1, :]
 
     # -- one decoder layer -------------------------------------------------
@@ -333,12 +335,21 @@ class DecoderModel:
         k = (k * cos) + (_rotate_half(k) * sin)
         return h, q, k, v
 
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of ``q . k`` (OPT folds it into its query projection)."""
+        return 1.0 if self.cfg.arch == "opt" else self.cfg.head_dim ** -0.5
+
     def attend_mlp(self, lw: Mapping[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention over the full ``keys``/``values`` (past + new), then the MLP half."""
+        return self.after_attention(lw, h, attention(q, keys, values, scale=self.attention_scale))
+
+    def after_attention(self, lw: Mapping[str, torch.Tensor], h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention: ``out`` (``[batch, heads, s, head_dim]``) projected and added to the
+        residual ``h``, then the MLP half."""
         cfg = self.cfg
         b, s, _ = h.shape
-        out = attention(q, keys, values, scale=1.0 if cfg.arch == "opt" else cfg.head_dim ** -0.5)
         out = out.transpose(1, 2).reshape(b, s, -1)
         act = _ACTS[cfg.activation]
         if cfg.arch == "opt":
