@@ -503,6 +503,15 @@ class Session:
         """
         return self._results(ch, ranges, self.channel(ch).submit(ranges), check)
 
+    def submit_many(self, ch: int, requests: Sequence[Sequence[IORange]], *,
+                    check: bool = True) -> list[list[OpResult]]:
+        """Several requests on channel ``ch``, pipelined (sent ahead of their replies); per request its results.
+
+        For ranges one request cannot carry together (a request names each KPU once): the pages of one KPU a
+        sparse decode step reads (``bladed.kvselect``)."""
+        replies = self.channel(ch).submit_many(requests)
+        return [self._results(ch, r, res, check) for r, res in zip(requests, replies, strict=True)]
+
     @staticmethod
     def _results(ch: int, ranges: Sequence[IORange], results: list[RangeResult], check: bool) -> list[OpResult]:
         out = []

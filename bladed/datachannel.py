@@ -132,6 +132,32 @@ class DataChannel:
                 return self.receive()
         return self.submit_async(ranges).result()
 
+    def submit_many(self, requests: Sequence[Sequence[IORange]], window: int = 32) -> list[list[RangeResult]]:
+        """Send several requests pipelined, at most ``window`` unanswered at a time, and wait for every reply;
+        their results in order. A request refused whole raises its error once the others' replies are read
+        (the connection stays usable)."""
+        with self._lock:
+            if self._pump is None:
+                out: list[list[RangeResult]] = []
+                first: BladedError | None = None
+                sent = 0
+                while len(out) < len(requests):
+                    while sent < len(requests) and sent - len(out) < window:
+                        self.send(requests[sent])
+                        sent += 1
+                    try:
+                        out.append(self.receive())
+                    except BladedError as e:
+                        if self._lost is not None:
+                            raise
+                        first = first or e
+                        out.append([])
+                if first is not None:
+                    raise first
+                return out
+        futures = [self.submit_async(r) for r in requests]
+        return [f.result() for f in futures]
+
     # -- futures (a pump thread) -----------------------------------------------------------
     def submit_async(self, ranges: Sequence[IORange]) -> concurrent.futures.Future[list[RangeResult]]:
         """Send one request; the future holds its results (or the error that refused it)."""

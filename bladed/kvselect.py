@@ -27,9 +27,10 @@ The budget is the share of the pages read, sinks and window included (``fraction
 context of ``n`` pages a step reads ``max(sinks + window, ceil(fraction * n))`` of them, at most ``n``. A
 budget that covers every page is the dense read, bit for bit.
 
-Memory kept in the inference process (on the model's device), per cache: the page summaries, ``2 / page`` of
-K's elements (min and max per page; 1/16 at pages of 32) in the model's dtype, and for ``keys`` the key copy
-(``q4``: 5 bits a value, 0.16 of K in float32, 0.31 in fp16). :meth:`SelectionState.nbytes` says what is held.
+Memory kept in the inference process (on the model's device), per cache: for ``quest`` the page summaries,
+``2 / page`` of K's elements (min and max per page; 1/8 at the default pages of 16) in the model's dtype; for
+``keys`` the key copy (``q4``: 5 bits a value, 0.16 of K in float32, 0.31 in fp16); with ``reuse`` the reuse
+buffers (a step's pages of K and V, in the model's dtype). :meth:`SelectionState.nbytes` says what is held.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SelectSpec:
     tokens: int | None = None
     sinks: int = 1
     window: int = 2
-    page: int = 32
+    page: int = 16
     dense_layers: int = 2
     heads: HeadsRule = "max"
     #: the ``keys`` selector's copy of K (:data:`KEY_FORMATS`)
@@ -103,13 +104,25 @@ class SelectSpec:
             most = max(1, max_tokens // self.page)
             raise SelectError(f"{option}: window={self.window} pages of {self.page} tokens exceed the context of "
                               f"{max_tokens} tokens; accepted window=1..{most}")
+        self.check_layers(layers, option)
+
+    def check_layers(self, layers: int, option: str = "--kv-select") -> None:
+        """Refuse more dense layers than the model has (one line)."""
         if self.dense_layers > layers:
             raise SelectError(f"{option}: dense-layers={self.dense_layers} is more than the model's {layers} "
                               f"layers; accepted 0..{layers}")
 
-    def key_format(self) -> KVFormat | None:
-        """The key copy's format (None: the model's own dtype, ``keys=exact``)."""
-        return None if self.keys == "exact" else kv_format(self.keys)
+    def key_format(self, head_dim: int | None = None) -> KVFormat | None:
+        """The key copy's format (None: the model's own dtype, ``keys=exact``); for a ``head_dim`` the format's
+        blocks of 32 do not divide, the same format in the largest block that does (``q4:16`` for 16)."""
+        if self.keys == "exact":
+            return None
+        fmt = kv_format(self.keys)
+        block = getattr(fmt, "block", 0)
+        if head_dim is not None and block and head_dim % block:
+            block = math.gcd(block, head_dim)
+            fmt = kv_format(f"{self.keys}:{block}") if block >= 2 else kv_format("fp16")
+        return fmt
 
     def describe(self) -> str:
         """The spec in the option's own syntax (what :func:`parse_select` reads back)."""
@@ -277,8 +290,9 @@ class PageSummaries:
 class KeyCopy:
     """Per layer, a compact copy of K's token rows (``fmt``; None: K itself) kept in memory for scoring."""
 
-    def __init__(self, layers: int, max_tokens: int, fmt: KVFormat | None) -> None:
-        self.fmt = fmt
+    def __init__(self, layers: int, max_tokens: int, spec: SelectSpec) -> None:
+        self.spec = spec
+        self.fmt: KVFormat | None = None
         self.max_tokens = max_tokens
         self.rows: list[torch.Tensor | None] = [None] * layers
         self.shape: tuple[int, ...] = ()
@@ -290,6 +304,7 @@ class KeyCopy:
         rows = self.rows[layer]
         if rows is None:
             self.shape, self.dtype = tuple(keys.shape[1:]), keys.dtype
+            self.fmt = self.spec.key_format(self.shape[-1])
             if self.fmt is None:
                 rows = torch.empty((self.max_tokens, *self.shape), dtype=keys.dtype, device=keys.device)
             else:
@@ -412,7 +427,7 @@ class SelectionState:
         self.scale = scale
         self.max_tokens = max_tokens
         self.summaries = PageSummaries(layers, max_tokens, spec.page) if spec.selector == "quest" else None
-        self.key_copy = KeyCopy(layers, max_tokens, spec.key_format()) if spec.selector == "keys" else None
+        self.key_copy = KeyCopy(layers, max_tokens, spec) if spec.selector == "keys" else None
         #: per layer, the tokens [0, known) whose K the selector has
         self.known = [0] * layers
         self.versions = torch.zeros((layers, pages_of(max_tokens, spec.page)), dtype=torch.long)
@@ -507,10 +522,14 @@ class ReuseBuffer:
         self.hits = 0
         self.lookups = 0
 
-    def plan(self, pages: torch.Tensor, versions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the sorted ``pages`` to attend to: the pages to read and the buffer slots they go to."""
+    def plan(self, pages: torch.Tensor, versions: torch.Tensor, fresh_from: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the sorted ``pages`` to attend to: the pages to read and the buffer slots they go to. Pages from
+        ``fresh_from`` on are read whatever the buffer holds."""
         at = self.where[pages]
         hit = (at >= 0) & (self.held_version[at.clamp(min=0)] == versions[pages])
+        if fresh_from is not None:
+            hit &= pages < fresh_from
         miss = pages[~hit]
         keep = torch.zeros(self.capacity, dtype=torch.bool)
         keep[at[hit]] = True

@@ -43,6 +43,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from bladed.kvformat import KVFormat, kv_format
+from bladed.kvselect import ReuseBuffer, SelectionState, pages_of, runs_of, token_index
 from bladed.residency.geometry import Geometry, tensor_id
 from bladed.residency.geometry import dtype_bytes as geometry_dtype_bytes
 
@@ -274,6 +275,14 @@ class MemoryKV:
         memoryview(self._slots[ch])[off:off + n] = memoryview(self._kpu(layer, kind))[off:off + n]
         return KVOp("memory", n, time.perf_counter_ns() - t0, 1.0)
 
+    def read_runs(self, layer: int, kind: Kind, ch: int, runs: list[tuple[int, int]]) -> KVOp:
+        """Read several token ranges ``(token_start, ntokens)`` of one KPU into the slot (mirrored offsets)."""
+        t0 = time.perf_counter_ns()
+        total = 0
+        for start, n in runs:
+            total += self.read(layer, kind, ch, start, n).nbytes
+        return KVOp("memory", total, time.perf_counter_ns() - t0, 1.0)
+
     def close(self) -> None:
         self._store.clear()
 
@@ -443,6 +452,28 @@ class BladedKV:
         self._deferred[ch], self._spare_used[ch] = [], 0
         return self.session.submit(ch, [*pending, rng])[-1]
 
+    def read_runs(self, layer: int, kind: Kind, ch: int, runs: list[tuple[int, int]]) -> KVOp:
+        """Read several token ranges ``(token_start, ntokens)`` of one KPU into the slot (mirrored offsets): one
+        request per range, pipelined on the channel (a request names each KPU once), the deferred writes
+        riding on the first. One :class:`KVOp` for them all (its ``service_ns`` the daemon's, summed)."""
+        if not runs:
+            return KVOp(self._paths.get((layer, kind), "?"), 0, 0, None)
+        requests = [[self.session.range("read", layer, kind, start, n)] for start, n in runs]
+        pending = self._deferred[ch] if self.defer_writes else None
+        if pending:
+            tid = tensor_id(layer, kind)
+            if any(w.tensor_id == tid for w in pending):
+                self.flush(ch)                   # the write goes first, in a request of its own
+            else:
+                requests[0] = [*pending, *requests[0]]
+                self._deferred[ch], self._spare_used[ch] = [], 0
+        replies = self.session.submit_many(ch, requests)
+        reads = [r[-1] for r in replies]
+        nbytes = sum(r.nbytes for r in reads)
+        known = [r for r in reads if r.hit_ratio is not None]
+        hit = sum(r.hit_ratio * r.nbytes for r in known) / max(1, sum(r.nbytes for r in known)) if known else None
+        return KVOp(reads[0].path, nbytes, sum(r.service_ns for r in reads), hit)
+
     def flush(self, ch: int | None = None) -> None:
         """Send the deferred writes of channel ``ch`` (default: every channel)."""
         for c in range(self._nslots) if ch is None else (ch,):
@@ -595,6 +626,37 @@ class SlotTensors:
             self._apply_tail(ring, x, token_start, ntokens)
         return x.permute(1, 2, 0, 3)
 
+    def take_tokens(self, ch: int, index: torch.Tensor, device: torch.device | str = "cpu",
+                    non_blocking: bool = False, *, layer: int | None = None, kind: str | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The slot's tokens ``index`` (a CPU long tensor, any order) tokens-first, ``[len(index), batch,
+        kv_heads, head_dim]`` of ``dtype`` on ``device`` (into ``out[:len(index)]`` if given), decoded from the
+        format's rows; with ``layer`` and ``kind``, the tokens that KPU's full-precision ring holds come from
+        it, as :meth:`take` does for a range."""
+        g, fmt = self.geometry, self.format
+        m = int(index.numel())
+        if out is None:
+            out = torch.empty((m, g.batch, g.kv_heads, g.head_dim), dtype=self.dtype, device=device)
+        dst = out[:m]
+        if self.view_dtype is not None:
+            picked = self.views[ch].index_select(0, index)
+            dst.copy_(picked, non_blocking=non_blocking)
+        else:
+            assert fmt is not None
+            rows = self.rows[ch].index_select(0, index)
+            if dst.device.type != "cpu":
+                rows = rows.to(dst.device, non_blocking=non_blocking)
+            fmt.decode(rows, out=dst)
+        ring = self._rings.get((layer, str(kind))) if self._ring_len and layer is not None else None
+        if ring is not None:
+            buf, lo, hi = ring
+            inside = (index >= lo) & (index < hi)
+            if bool(inside.any()):
+                at = inside.nonzero().flatten()
+                src = buf.index_select(0, (index[at] % self._ring_len).to(buf.device))
+                dst.index_copy_(0, at.to(dst.device), src.to(dst.device))
+        return dst
+
     def tail_bytes(self) -> int:
         """Bytes the full-precision rings hold now (``2 * layers * min(tail, max_tokens) * row_elems * dtype
         size`` once every KPU was written; 0 without a tail)."""
@@ -690,6 +752,87 @@ class SlotTensors:
         self._rings.clear()
 
 
+class PageReader:
+    """Reads the pages a selection picked (``bladed.kvselect``) of one backend's KPUs, through its staging slots.
+
+    :meth:`read` (a copy thread's read) reads the pages a step needs into the slot, at their own offsets: those
+    the KPU's :class:`~bladed.kvselect.ReuseBuffer` lacks (``spec.reuse``), else all of them, as runs of
+    consecutive pages (``read_runs``: one request per run on bladed), up to the step's tokens. :meth:`take` (its
+    DMA, on the same thread) puts them in the buffer and gives the selected pages' tokens in page order,
+    heads-first and decoded, with ``room`` after them for the step's new token. A page the full-precision
+    tail holds (``SlotTensors.tail``) is read again while it does: the buffer keeps what was read, the tail
+    may move on."""
+
+    def __init__(self, backend: KVBackend, slots: SlotTensors, state: SelectionState) -> None:
+        self.backend, self.slots, self.state = backend, slots, state
+        g, spec = backend.geometry, state.spec
+        self.page = spec.page
+        self.max_pages = pages_of(g.max_tokens, spec.page)
+        #: pages each reuse buffer holds: a step's selection, the union of every sequence's
+        self.capacity = min(self.max_pages, g.batch * spec.pages_read(self.max_pages))
+        self.buffers: dict[tuple[int, str], ReuseBuffer] = {}
+        self._plans: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def read(self, layer: int, kind: Kind, ch: int, pages: torch.Tensor, ntokens: int) -> tuple[Any, int]:
+        """Read what the step lacks of ``pages`` (sorted page ids of tokens ``[0, ntokens)``) into slot ``ch``:
+        the backend's op and the pages read."""
+        key = (layer, kind)
+        dest = None
+        miss = pages
+        if self.state.spec.reuse:
+            buf = self.buffers.get(key)
+            if buf is None:
+                buf = self.buffers[key] = ReuseBuffer(self.capacity, self.page, self.max_pages)
+            fresh = max(0, ntokens - self.slots.tail) // self.page if self.slots.tail else self.max_pages
+            miss, dest = buf.plan(pages, self.state.versions[layer], fresh_from=fresh)
+        self._plans[key] = (miss, dest)
+        p = self.page
+        runs = [(first * p, min(count * p, ntokens - first * p)) for first, count in runs_of(miss)]
+        read_runs = getattr(self.backend, "read_runs", None)
+        if read_runs is not None:
+            return read_runs(layer, kind, ch, runs), int(miss.numel())
+        ops = [self.backend.read(layer, kind, ch, start, n) for start, n in runs]
+        return KVOp(str(getattr(ops[0], "path", "?")) if ops else "?", sum(int(getattr(o, "nbytes", 0))
+                                                                           for o in ops), 0, None), int(miss.numel())
+
+    def take(self, layer: int, kind: Kind, ch: int, pages: torch.Tensor, ntokens: int,
+             device: torch.device | str = "cpu", non_blocking: bool = False, *, room: int = 0,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """After :meth:`read` of the same pages: their tokens below ``ntokens`` in page order, heads-first
+        ``[batch, kv_heads, n + room, head_dim]`` (``out``: a tokens-first buffer to put them in)."""
+        g, p = self.geometry, self.page
+        miss, dest = self._plans.pop((layer, kind))
+        k = int(pages.numel())
+        valid = k * p - max(0, (int(pages[-1]) + 1) * p - ntokens) if k else 0
+        if out is None or out.shape[0] < k * p + room:
+            out = torch.empty((k * p + room, g.batch, g.kv_heads, g.head_dim), dtype=self.slots.dtype,
+                              device=device)
+        last = g.max_tokens - 1
+        if dest is None:
+            self.slots.take_tokens(ch, token_index(pages, p).clamp_(max=last), device, non_blocking, layer=layer,
+                                   kind=kind, out=out)
+        else:
+            buf = self.buffers[(layer, kind)]
+            if miss.numel():
+                rows = self.slots.take_tokens(ch, token_index(miss, p).clamp_(max=last), device, non_blocking,
+                                              layer=layer, kind=kind)
+                buf.fill(dest, rows)
+            buf.gather(pages, out)
+        return out[:valid + room].permute(1, 2, 0, 3)
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.backend.geometry
+
+    def nbytes(self) -> int:
+        """Bytes the reuse buffers hold."""
+        return sum(b.nbytes() for b in self.buffers.values())
+
+    def reuse(self) -> tuple[int, int]:
+        """Pages served from the reuse buffers, and pages asked for, so far."""
+        return sum(b.hits for b in self.buffers.values()), sum(b.lookups for b in self.buffers.values())
+
+
 __all__ = [
     "PLAIN_FORMAT_DTYPES",
     "BladedKV",
@@ -698,6 +841,7 @@ __all__ = [
     "KVOp",
     "Kind",
     "MemoryKV",
+    "PageReader",
     "PathStats",
     "SlotTensors",
     "StatsBook",

@@ -68,10 +68,13 @@ from bladed.runner.weights import load_model  # noqa: E402
 
 SCHEMA = "bladed.bench_kv_select/1"
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
-#: what the full run compares, at every budget (``oracle``: the keys selector on K itself, the true mass)
+#: what the full run compares, at every budget (the defaults of ``bladed.kvselect.SelectSpec`` but where named;
+#: ``oracle``: the keys selector on K itself, the true attention mass)
 FAMILIES = {
-    "keys-q4": "keys:{b},keys=q4",
-    "keys-q4-sum": "keys:{b},keys=q4,heads=sum",
+    "keys": "keys:{b}",
+    "keys-sum": "keys:{b},heads=sum",
+    "keys-page32": "keys:{b},page=32",
+    "keys-mass0.95": "keys:{b},mass=0.95",
     "oracle": "keys:{b},keys=exact",
     "quest": "quest:{b}",
     "quest-sum": "quest:{b},heads=sum",

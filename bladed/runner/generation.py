@@ -35,9 +35,19 @@ from typing import Any
 import torch
 
 from bladed.kvformat import kv_format as parse_kv_format
-from bladed.kvstore import Geometry, Kind, KVBackend, SlotTensors, StatsBook, full_precision_tail, kv_geometry
+from bladed.kvselect import SelectionState, SelectSpec, pages_of, parse_select
+from bladed.kvstore import (
+    Geometry,
+    Kind,
+    KVBackend,
+    PageReader,
+    SlotTensors,
+    StatsBook,
+    full_precision_tail,
+    kv_geometry,
+)
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
-from bladed.runner.models import DecoderModel
+from bladed.runner.models import DecoderModel, attention
 
 KVFactory = Callable[[Geometry], KVBackend]
 KVPair = tuple[torch.Tensor, torch.Tensor]  # (keys, values), heads-first: [batch, kv_heads, tokens, head_dim]
@@ -65,6 +75,10 @@ class Policy:
     ``kv_tail``: the newest tokens of each offloaded (layer, K/V) read back from a full-precision copy
     kept on the compute device instead of their decoded rows (``bladed.kvstore.SlotTensors``; the rows are
     written all the same). None: the format's ``full_precision_tail`` (``q4``: 128, the others 0); 0: off.
+
+    ``kv_select``: query-aware sparse decode reads of the offloaded layers (``bladed.kvselect``, the runner's
+    ``--kv-select``: ``keys:0.25``, ...): a decode step reads only the pages its selection picks. None: every
+    step reads all of its past, as always.
     """
 
     gpu_batch_size: int = 1
@@ -81,6 +95,7 @@ class Policy:
     kv_format: str = ""
     kv_tail: int | None = None
     prefetch: int = 1
+    kv_select: str | SelectSpec | None = None
 
     @property
     def percent(self) -> list[float]:
@@ -119,6 +134,8 @@ class GenerationResult:
     retained: list[dict[str, Any]] = field(default_factory=list)
     #: per step (the prefill first): where its time went (:class:`StepTimes`, :data:`STEP_FIELDS`)
     step_times: list[dict[str, float]] = field(default_factory=list)
+    #: with ``kv_select``: the spec, the bytes held for it and what it read (:meth:`_Generation.select_report`)
+    select: dict[str, Any] = field(default_factory=dict)
 
     @property
     def gen_len(self) -> int:
@@ -149,10 +166,14 @@ class GenerationResult:
 
 
 #: what :class:`StepTimes` adds up per step: seconds of the compute thread (``compute_s``: the layers and the
-#: head; ``load_wait_s``: waiting for a layer's KV) and busy seconds of the copy threads (``read_s``: the KV
+#: head; ``load_wait_s``: waiting for a layer's KV; ``select_s``: with ``kv_select``, scoring and choosing the
+#: pages and keeping the selector's copy of K) and busy seconds of the copy threads (``read_s``: the KV
 #: backend's reads into the staging slots; ``dma_s``: slot to device, decoded; ``write_s``: into the slot,
-#: encoded, then the backend's write), with the bytes read and written
-STEP_FIELDS = ("wall_s", "compute_s", "load_wait_s", "read_s", "dma_s", "write_s", "read_bytes", "write_bytes")
+#: encoded, then the backend's write), with the bytes read and written; with ``kv_select`` also the pages the
+#: selecting layers attended to (``pages_selected``) of those their past holds (``pages_total``), the pages
+#: read (``pages_read``) and those the reuse buffers served (``reuse_hits``)
+STEP_FIELDS = ("wall_s", "compute_s", "load_wait_s", "select_s", "read_s", "dma_s", "write_s", "read_bytes",
+               "write_bytes", "pages_selected", "pages_total", "pages_read", "reuse_hits")
 
 
 class StepTimes:
@@ -196,6 +217,10 @@ class Runner:
             parse_kv_format(self.policy.kv_format).check(cfg.head_dim)
         #: the full-precision tail of the offloaded KV (ValueError, one line, for a negative kv_tail)
         self.kv_tail = full_precision_tail(self.policy.kv_format, self.policy.kv_tail)
+        #: the sparse decode reads (None: dense); a bad spec is a SelectError (ValueError), one line
+        self.select = parse_select(self.policy.kv_select) if self.policy.kv_select else None
+        if self.select is not None:
+            self.select.check_layers(cfg.num_layers)
         weight_tiers = self.policy.weight_tiers(cfg.num_layers)
         # a layer's weights stay on the compute device, or in (pinned) host memory and are copied per use
         self._device_weights: dict[int, dict[str, torch.Tensor]] = {}
@@ -238,6 +263,11 @@ class Runner:
                 for layer in range(self.model.cfg.num_layers):
                     for gpu_batch in range(self.policy.num_gpu_batches):
                         weights = gen.load_weight(layer)
+                        if gen.sparse(layer, gpu_batch):  # the pages its query selects, read on demand
+                            hidden, new_kv = gen.sparse_layer(layer, gpu_batch, weights, gen.load_hidden(gpu_batch))
+                            gen.store_hidden(gpu_batch, hidden)
+                            gen.store_cache(layer, gpu_batch, new_kv, new_kv)
+                            continue
                         past = gen.load_cache(layer, gpu_batch)
                         if self.policy.overlap:
                             gen.prefetch_cache(layer, gpu_batch)
@@ -274,6 +304,8 @@ class Runner:
         if positions > cfg.max_positions:
             raise ValueError(f"a {prompt_len}-token prompt plus gen_len {gen_len} needs {positions} positions, "
                              f"more than {cfg.name}'s {cfg.max_positions}; shorten the prompt or gen_len")
+        if self.select is not None:
+            self.select.check_context(prompt_len + gen_len, cfg.num_layers)
         return prompt_len
 
 
@@ -335,6 +367,12 @@ class _Generation:
         self.out_tokens: list[torch.Tensor] = []
         self.out_logits: list[torch.Tensor] = []
         self.finished = torch.zeros(policy.num_gpu_batches * policy.gpu_batch_size, dtype=torch.bool)
+        #: with kv_select: per GPU batch the selector's state and the reader of the selected pages
+        self.select = runner.select
+        self.select_states: list[SelectionState] = []
+        self.page_readers: list[PageReader] = []
+        #: whether this step's decode reads a selection (the past holds more pages than the budget)
+        self.sparse_step = False
 
     # -- set-up and tear-down --------------------------------------------
     def open_kv_backends(self) -> None:
@@ -356,6 +394,10 @@ class _Generation:
             # the same tail whatever the backend: memory and bladed runs of one format give the same bits
             self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False),
                                           tail=self.runner.kv_tail))
+            if self.select is not None:
+                state = SelectionState(self.select, geometry.layers, geometry.max_tokens, self.model.attention_scale)
+                self.select_states.append(state)
+                self.page_readers.append(PageReader(backend, self.slots[-1], state))
 
     def reused_prefix(self) -> int:
         """The leading prompt tokens whose KV every backend already holds (a retained prefix), at most all
@@ -395,6 +437,7 @@ class _Generation:
         self.step_tokens = self.prompt_len - self.start if step == 0 else 1
         self.hidden = [self.model.embed(ids, self.position) for ids in self.inputs]
         self.prefetched = {}
+        self.sparse_step = self.select is not None and step > 0 and not self.select.is_dense(self.position)
 
     def load_weight(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's weights on the compute device (copied from host memory when kept there)."""
@@ -421,6 +464,12 @@ class _Generation:
         waited = time.perf_counter() - wait_started
         self.load_wait_s += waited
         self.times.add(self.step, "load_wait_s", waited)
+        if self.select_states:                   # K this process never wrote (a reused prefix): summarise it
+            state, bl = self.select_states[gpu_batch], self.backend_layer[layer]
+            if not state.ready(bl, self.position):
+                started = time.perf_counter()
+                state.on_read(bl, keys[:, :, :self.position].permute(2, 0, 1, 3))
+                self.times.add(self.step, "select_s", time.perf_counter() - started)
         return keys, values
 
     def prefetch_cache(self, layer: int, gpu_batch: int) -> None:
@@ -434,7 +483,8 @@ class _Generation:
         """
         if self.position == 0:
             return
-        ahead = [pair for pair in self.offloaded_order if pair > (layer, gpu_batch)][:self.policy.prefetch]
+        ahead = [pair for pair in self.offloaded_order
+                 if pair > (layer, gpu_batch) and not self.sparse(*pair)][:self.policy.prefetch]
         for pair in ahead:
             if pair not in self.prefetched:
                 self.prefetched[pair] = self._submit_load(*pair)
@@ -497,6 +547,52 @@ class _Generation:
         hidden = self.model.attend_mlp(weights, hidden, query, keys, values)
         return hidden, (new_keys, new_values), (keys, values)
 
+    def sparse(self, layer: int, gpu_batch: int) -> bool:
+        """Whether (layer, GPU batch) reads a selection this step: an offloaded layer past the dense ones, at a
+        decode step whose past holds more pages than the budget, with its selector up to date."""
+        return (self.sparse_step and self.tiers[layer] == "disk" and self.select is not None
+                and self.select.layer_selects(layer)
+                and self.select_states[gpu_batch].ready(self.backend_layer[layer], self.position))
+
+    def sparse_layer(self, layer: int, gpu_batch: int, weights: dict[str, torch.Tensor],
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, KVPair]:
+        """One decoder layer of a decode step through the selection: the query, the pages it selects (per
+        sequence; the union is read, on demand), attention over them and the new token, the MLP."""
+        started = time.perf_counter()
+        residual, query, new_keys, new_values = self.model.qkv(weights, hidden, self.position)
+        self.times.add(self.step, "compute_s", time.perf_counter() - started)
+        started = time.perf_counter()
+        state, bl = self.select_states[gpu_batch], self.backend_layer[layer]
+        chosen = state.select(bl, query, self.position)                       # [batch, pages]
+        pages = chosen.any(dim=0).nonzero().flatten().cpu()
+        self.times.add(self.step, "select_s", time.perf_counter() - started)
+        self.times.add(self.step, "pages_selected", float(pages.numel()))
+        self.times.add(self.step, "pages_total", float(pages_of(self.position, state.spec.page)))
+        handle = self._submit_page_load(layer, gpu_batch, pages)
+        wait_started = time.perf_counter()
+        keys, values = handle.result()
+        waited = time.perf_counter() - wait_started
+        self.load_wait_s += waited
+        self.times.add(self.step, "load_wait_s", waited)
+        started = time.perf_counter()
+        n = keys.shape[2] - 1                     # the gathered tokens; the step's new one goes after them
+        keys[:, :, n:].copy_(new_keys)
+        values[:, :, n:].copy_(new_values)
+        if chosen.shape[0] > 1 and not bool(chosen[:, pages.to(chosen.device)].all()):
+            # each sequence attends to its own pages of the union read (and to its new token)
+            page = state.spec.page
+            token_pages = pages.repeat_interleave(page)[:n].to(chosen.device)
+            allowed = torch.cat([chosen[:, token_pages], chosen.new_ones((chosen.shape[0], 1))], dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=allowed[:, None, None, :], scale=self.model.attention_scale,
+                enable_gqa=query.shape[1] != keys.shape[1])
+        else:
+            out = attention(query, keys, values, scale=self.model.attention_scale)
+        hidden = self.model.after_attention(weights, residual, out)
+        self.times.add(self.step, "compute_s", time.perf_counter() - started)
+        self.release((keys, values))
+        return hidden, (new_keys, new_values)
+
     def store_hidden(self, gpu_batch: int, hidden: torch.Tensor) -> None:
         """Keep the layer's output for the next layer (in host memory when activations are offloaded)."""
         self.hidden[gpu_batch] = hidden.to("cpu", non_blocking=True) if self.runner.offload_activations else hidden
@@ -511,6 +607,11 @@ class _Generation:
         """
         tier = self.tiers[layer]
         if tier == "disk":
+            if self.select_states:               # the selector's copy of K and the pages' versions
+                started = time.perf_counter()
+                self.select_states[gpu_batch].on_write(self.backend_layer[layer], self.position,
+                                                       new_kv[0].permute(2, 0, 1, 3))
+                self.times.add(self.step, "select_s", time.perf_counter() - started)
             self._submit_write(layer, gpu_batch, "k", new_kv[0])
             self._submit_write(layer, gpu_batch, "v", new_kv[1])
         else:
@@ -579,8 +680,24 @@ class _Generation:
             pipeline=self.pipeline.report(), tiers=list(self.tiers),
             plans=[dict(getattr(backend, "plan", {}) or {}) for backend in self.backends],
             load_wait_s=self.load_wait_s, prefix_tokens=self.start, open_latency=self.open_latency,
-            retained=self.retained, step_times=self.times.as_list(),
+            retained=self.retained, step_times=self.times.as_list(), select=self.select_report(),
         )
+
+    def select_report(self) -> dict[str, Any]:
+        """With ``kv_select``: the spec, the bytes held for it in this process (the selector's K copy or page
+        summaries; the reuse buffers) and the share of the selecting layers' pages read over the decode steps."""
+        if self.select is None:
+            return {}
+        steps = self.times.as_list()[1:]
+        selected = sum(s["pages_selected"] for s in steps)
+        total = sum(s["pages_total"] for s in steps)
+        read = sum(s["pages_read"] for s in steps)
+        return {"spec": self.select.describe(),
+                "selector_bytes": sum(st.nbytes() for st in self.select_states),
+                "reuse_buffer_bytes": sum(r.nbytes() for r in self.page_readers),
+                "pages_selected": selected, "pages_total": total, "pages_read": read,
+                "selected_share": round(selected / total, 4) if total else None,
+                "reuse_hit_rate": round(1 - read / selected, 4) if selected else None}
 
     # -- the copy threads' jobs ------------------------------------------
     def _submit_load(self, layer: int, gpu_batch: int) -> LoadHandle:
@@ -599,6 +716,38 @@ class _Generation:
                                     backend_layer, kind),
                         nbytes=ntokens * backend.geometry.token_bytes) for kind in kinds]
         return self.pipeline.load(jobs, backend.group(backend_layer, "k"))
+
+    def _submit_page_load(self, layer: int, gpu_batch: int, pages: torch.Tensor) -> LoadHandle:
+        """Issue the load of the selected ``pages`` of (layer, GPU batch)'s K and V: per kind, on its copy
+        thread, the pages its reuse buffer lacks read into the staging slot, then the selected pages' tokens
+        to the device with room for the step's new token."""
+        backend, reader, bl = self.backends[gpu_batch], self.page_readers[gpu_batch], self.backend_layer[layer]
+        ntokens, step = self.position, self.step
+        kinds: tuple[Kind, Kind] = ("k", "v")
+
+        def read(kind: Kind) -> Any:
+            started = time.perf_counter()
+            op, read_pages = reader.read(bl, kind, self.channel[kind], pages, ntokens)
+            self.times.add(step, "read_s", time.perf_counter() - started)
+            self.times.add(step, "read_bytes", getattr(op, "nbytes", 0))
+            if kind == "k":
+                self.times.add(step, "pages_read", float(read_pages))
+                self.times.add(step, "reuse_hits", float(pages.numel() - read_pages))
+            if getattr(op, "nbytes", 0):
+                self.stats.add(op, True)
+            return op
+
+        def dma(kind: Kind) -> torch.Tensor:
+            started = time.perf_counter()
+            buf = self._borrow_buffer(backend.geometry)
+            out = self.dma.run(lambda: reader.take(bl, kind, self.channel[kind], pages, ntokens, self.device,
+                                                   self.cuda, room=1, out=buf), independent=True)
+            self.times.add(step, "dma_s", time.perf_counter() - started)
+            return out
+
+        jobs = [LoadJob(read=partial(read, kind), dma=partial(dma, kind),
+                        nbytes=int(pages.numel()) * reader.page * backend.geometry.token_bytes) for kind in kinds]
+        return self.pipeline.load(jobs, backend.group(bl, "k"))
 
     def _read_kv(self, step: int, backend: KVBackend, backend_layer: int, kind: Kind, ntokens: int) -> Any:
         """Copy thread: read tokens ``[0, ntokens)`` of a K or V into the thread's staging slot."""
