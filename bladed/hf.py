@@ -30,6 +30,16 @@ for bit. The format's full-precision tail (``q4``: the newest 128 tokens; ``kv_t
 0 turns it off) is attended to from the cache's own full-precision copy, not from the decoded rows
 (``bladed.kvstore.SlotTensors``).
 
+Sparse decode reads (``bladed.kvselect``; docs/kv-select.md)::
+
+    cache = BladedCache.open(model.config, 1, max_tokens, dtype=torch.float32, select="keys:0.25")
+    cache.attach(model)                       # the model's attention goes through the cache's selection
+    out = model.generate(ids, **generate_kwargs(cache), ...)
+
+A decode step of a selecting layer reads only the pages its query selects (the cache needs the query, which
+transformers hands to the attention function, not to the cache: :meth:`BladedCache.attach` sets the model's
+attention to :data:`SELECT_ATTENTION`, which is ``sdpa`` wherever no selection applies).
+
 The cache talks to anything with the KV-backend shape (``geometry``,
 ``channels``, ``slot(ch)``, ``read``/``write(layer, kind, ch, token_start,
 ntokens)``, ``group(layer, kind)``; see ``bladed.kvstore``) or opens a
@@ -48,10 +58,14 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 from bladed.kvformat import KVFormat
 from bladed.kvformat import kv_format as parse_kv_format
-from bladed.kvstore import BladedKV, SlotTensors, full_precision_tail, kv_geometry, prefix_key_fields
+from bladed.kvselect import SelectionState, SelectSpec, parse_select, token_index
+from bladed.kvstore import BladedKV, PageReader, SlotTensors, full_precision_tail, kv_geometry, prefix_key_fields
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.residency.geometry import Geometry
 
@@ -94,7 +108,8 @@ class _Transfer:
     """Copy threads + staging-slot views + the pipeline, shared by all layers of a cache."""
 
     def __init__(self, backend: Any, dtype: torch.dtype, device: torch.device, copy_threads: int,
-                 pipeline: PipelineMode, lossy_dtype: bool = False, kv_tail: int | None = None) -> None:
+                 pipeline: PipelineMode, lossy_dtype: bool = False, kv_tail: int | None = None,
+                 select: SelectSpec | None = None) -> None:
         g = backend.geometry
         self.backend, self.geometry, self.device, self.dtype = backend, g, device, dtype
         self.cuda = device.type == "cuda"
@@ -108,6 +123,60 @@ class _Transfer:
         self.lossy_dtype = lossy_dtype
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
+        #: sparse decode reads: the spec, the selector's state and the reader of the selected pages
+        self.select = select
+        self.state = SelectionState(select, g.layers, g.max_tokens, 1.0) if select is not None else None
+        self.reader = PageReader(backend, self.slots, self.state) if self.state is not None else None
+        #: whether a model's attention goes through the selection (:meth:`BladedCache.attach`)
+        self.attached = False
+
+    def selects(self, layer: int, past: int, new: int) -> bool:
+        """Whether this update of ``layer`` (``new`` tokens after ``past``) is a decode step through the selection."""
+        return (self.state is not None and self.select is not None and new == 1 and past > 0
+                and self.select.layer_selects(layer) and not self.select.is_dense(past)
+                and self.state.ready(layer, past))
+
+    def note_keys(self, layer: int, t0: int, key_states: torch.Tensor) -> None:
+        """The selector's copy of K and the pages' versions, for K written at ``t0`` (heads-first)."""
+        if self.state is not None:
+            self.state.on_write(layer, t0, key_states.permute(2, 0, 1, 3))
+
+    def sparse_attention(self, layer: int, query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
+                         past: int, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of one decode query (``[B, Hq, 1, D]``) over the pages it selects of the ``past`` tokens and the
+        new token: each sequence its own pages of the union read (``[B, Hq, 1, D]`` out)."""
+        assert self.state is not None and self.reader is not None and self.select is not None
+        chosen = self.state.select(layer, query, past, scale=scaling)            # [B, pages]
+        pages = chosen.any(dim=0).nonzero().flatten().cpu()
+        reader = self.reader
+        jobs = []
+        for kind in ("k", "v"):
+            ch = self.ch[kind]
+
+            def rd(kind: str = kind, ch: int = ch) -> Any:
+                return reader.read(layer, kind, ch, pages, past)[0]              # type: ignore[arg-type]
+
+            def dm(kind: str = kind, ch: int = ch) -> torch.Tensor:
+                return self.dma.run(lambda: reader.take(layer, kind, ch, pages, past, self.device,  # type: ignore
+                                                        self.cuda, room=1), independent=True)
+
+            jobs.append(LoadJob(read=rd, dma=dm, nbytes=int(pages.numel()) * reader.page * self.geometry.token_bytes))
+        keys, values = self.pipe.load(jobs, self.backend.group(layer, "k")).result()
+        n = keys.shape[2] - 1
+        keys[:, :, n:].copy_(new_keys)
+        values[:, :, n:].copy_(new_values)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        allowed = None
+        token_pages = pages.repeat_interleave(reader.page)[:n].to(chosen.device)
+        if chosen.shape[0] > 1 and not bool(chosen[:, pages.to(chosen.device)].all()):
+            allowed = torch.cat([chosen[:, token_pages], chosen.new_ones((chosen.shape[0], 1))], dim=1)[:, None, None]
+        if mask is not None:                     # the model's own mask (padding), on the tokens gathered
+            cols = torch.cat([token_index(pages, reader.page)[:n], torch.tensor([past])]).to(mask.device)
+            picked = mask[..., cols]
+            picked = picked if picked.dtype == torch.bool else picked > torch.finfo(picked.dtype).min / 2
+            allowed = picked if allowed is None else allowed & picked.to(allowed.device)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=allowed, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
 
     def check(self, key_states: torch.Tensor, value_states: torch.Tensor, cached: int) -> None:
         """Refuse K/V this cache cannot hold, before anything of it is written (ValueError, one line)."""
@@ -192,6 +261,32 @@ def _init_layer(layer: DynamicLayer) -> None:
         DynamicLayer.__init__(layer, None)  # type: ignore[call-arg]
 
 
+#: the attention implementation :meth:`BladedCache.attach` gives a model: ``sdpa``, but where a selecting cache
+#: deferred the layer's past to the attention (a decode step through the selection)
+SELECT_ATTENTION = "bladed_select"
+_DEFERRED = threading.local()
+
+
+def select_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:data:`SELECT_ATTENTION`: the selected pages' attention where the layer's cache update deferred it to here,
+    else transformers' ``sdpa``."""
+    pending = getattr(_DEFERRED, "pending", None)
+    _DEFERRED.pending = None
+    if pending is None or pending[1] != getattr(module, "layer_idx", None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    transfer, layer, past = pending
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = transfer.sparse_attention(layer, query, key, value, past, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SELECT_ATTENTION, select_attention)
+AttentionMaskInterface.register(SELECT_ATTENTION, sdpa_mask)
+
+
 class BladedLayer(DynamicLayer):
     """One decoder layer's K/V, resident only while the layer is in use."""
 
@@ -217,6 +312,9 @@ class BladedLayer(DynamicLayer):
         h = self._pending or self._t.load(self.index, self._len)
         self._pending = None
         k, v = h.result()
+        state = self._t.state
+        if state is not None and not state.ready(self.index, self._len):   # a reused prefix: summarise its K
+            state.on_read(self.index, k.permute(2, 0, 1, 3))
         # a cache dtype other than the model's (wider, or narrower with lossy_dtype) converts back here
         return k.to(self.device, self.dtype), v.to(self.device, self.dtype)
 
@@ -226,6 +324,18 @@ class BladedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t0, n = self._len, key_states.shape[-2]
+        if self._t.selects(self.index, t0, n):
+            # the attention (SELECT_ATTENTION) reads the pages this step's query selects: hand it the new K/V
+            if not self._t.attached:
+                raise ValueError("BladedCache(select=...) reads the pages the query selects, and transformers gives "
+                                 "the query to the attention, not to the cache: call cache.attach(model) before "
+                                 "generate")
+            self._t.note_keys(self.index, t0, key_states)
+            self._t.write(self.index, "k", t0, key_states)
+            self._t.write(self.index, "v", t0, value_states)
+            self._len = t0 + 1
+            _DEFERRED.pending = (self._t, self.index, t0)
+            return key_states, value_states
         past = self._resident()
         if past is None:
             _dynamic_lazy_init(self, key_states, value_states)
@@ -234,6 +344,7 @@ class BladedLayer(DynamicLayer):
         # transformers' own DynamicLayer joins past and new: the attention then sees tensors of the same
         # values, shapes and strides as with the default cache, so it runs the same kernels (same bits)
         keys, values = DynamicLayer.update(self, key_states, value_states, *args, **kwargs)
+        self._t.note_keys(self.index, t0, key_states)
         self._t.write(self.index, "k", t0, key_states)
         self._t.write(self.index, "v", t0, value_states)
         self._len = t0 + n
@@ -310,13 +421,21 @@ class BladedCache(Cache):
     the same. None: the backend's ``kv_tail``, else the format's ``full_precision_tail`` (``q4``: 128, the
     others 0); 0 turns it off (to measure the format alone). It costs ``2 * layers * tail * batch * kv_heads
     * head_dim * dtype size`` bytes (:attr:`kv_tail`).
+
+    ``select``: sparse decode reads (``bladed.kvselect``: ``"keys:0.25"``, a :class:`~bladed.kvselect.SelectSpec`;
+    None, the default: every step reads all of its past). A decode step of a selecting layer reads only the pages
+    its query selects; the model's attention must go through the cache (:meth:`attach`). A bad spec is a
+    ``SelectError`` (a ValueError), one line.
     """
 
     def __init__(self, backend: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  copy_threads: int = 2, prefetch: bool = True, pipeline: PipelineMode = "adaptive",
                  lossy_dtype: bool = False, cached_tokens: int = 0, model_id: str | None = None,
                  prompt_tokens: int | None = None, kv_format: str | KVFormat | None = None,
-                 kv_tail: int | None = None) -> None:
+                 kv_tail: int | None = None, select: str | SelectSpec | None = None) -> None:
+        spec = parse_select(select, "select=") if select else None
+        if spec is not None:
+            spec.check_context(backend.geometry.max_tokens, backend.geometry.layers, "select=")
         if kv_format is not None:
             want = parse_kv_format(kv_format).name if kv_format != "" else ""
             have = backend.geometry.kv_format
@@ -328,7 +447,9 @@ class BladedCache(Cache):
         self.backend = backend
         self.geometry = backend.geometry
         self._transfer = _Transfer(backend, dtype, torch.device(device), copy_threads, pipeline, lossy_dtype,
-                                   kv_tail)
+                                   kv_tail, spec)
+        #: the sparse decode reads (None: dense)
+        self.select = spec
         #: the newest tokens of each layer's K/V attended to at full precision from memory (0: none)
         self.kv_tail = self._transfer.slots.tail
         self.prefetch_enabled = prefetch
@@ -404,8 +525,34 @@ class BladedCache(Cache):
         keys, values = layer.update(key_states, value_states, *args, **kwargs)
         layer.offload()
         if self.prefetch_enabled:
-            self._blayers[(layer_idx + 1) % len(self._blayers)].prefetch()
+            nxt = self._blayers[(layer_idx + 1) % len(self._blayers)]
+            # a layer whose next update reads a selection has nothing to read before its query is known
+            if not self._transfer.selects(nxt.index, nxt.get_seq_length(), key_states.shape[-2]):
+                nxt.prefetch()
         return keys, values
+
+    def attach(self, model: Any) -> Any:
+        """Route ``model``'s attention through this cache's selection (:data:`SELECT_ATTENTION`: transformers'
+        ``sdpa`` wherever no selection applies); needed for ``select=``, harmless without. Returns ``model``.
+        A model on another attention than ``sdpa`` is refused with one line (the dense steps would change)."""
+        have = getattr(model.config, "_attn_implementation", None)
+        if have not in ("sdpa", SELECT_ATTENTION):
+            raise ValueError(f"BladedCache.attach: the model's attention is {have!r}; the selection runs on sdpa's, "
+                             "load the model with attn_implementation='sdpa'")
+        model.set_attn_implementation(SELECT_ATTENTION)
+        self._transfer.attached = True
+        return model
+
+    def select_report(self) -> dict[str, Any]:
+        """With ``select``: the spec, the bytes held for it (the selector's K copy or page summaries, the reuse
+        buffers) and the reuse buffers' hits; ``{}`` without."""
+        t = self._transfer
+        if t.state is None or t.reader is None or self.select is None:
+            return {}
+        hits, lookups = t.reader.reuse()
+        return {"spec": self.select.describe(), "selector_bytes": t.state.nbytes(),
+                "reuse_buffer_bytes": t.reader.nbytes(), "pages_selected": lookups, "reuse_hits": hits,
+                "reuse_hit_rate": round(hits / lookups, 4) if lookups else None}
 
     def _check_prompt(self, n: int) -> None:
         """The first forward must bring the rest of the prompt given at open (else the reused K/V is another's)."""
@@ -479,4 +626,5 @@ def _token_ids(ids: Any) -> list[int]:
     raise ValueError(f"token ids must be a tensor or a list of ints, got {type(ids).__name__}")
 
 
-__all__ = ["BladedCache", "BladedLayer", "Geometry", "cache_kwarg_name", "generate_kwargs", "geometry_for"]
+__all__ = ["SELECT_ATTENTION", "BladedCache", "BladedLayer", "Geometry", "cache_kwarg_name", "generate_kwargs",
+           "geometry_for", "select_attention"]

@@ -36,6 +36,7 @@ buffers (a step's pages of K and V, in the model's dtype). :meth:`SelectionState
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -438,6 +439,13 @@ class SelectionState:
 
     def on_write(self, layer: int, token_start: int, keys: torch.Tensor) -> None:
         """K of tokens ``[token_start, token_start + n)`` written (tokens-first ``[n, B, H, D]``)."""
+        started = time.perf_counter()
+        try:
+            self._on_write(layer, token_start, keys)
+        finally:
+            self.update_s += time.perf_counter() - started
+
+    def _on_write(self, layer: int, token_start: int, keys: torch.Tensor) -> None:
         n = keys.shape[0]
         if n == 0:
             return
@@ -471,22 +479,26 @@ class SelectionState:
         """Whether the selector knows the K of tokens ``[0, ntokens)`` (else the step reads them all)."""
         return self.known[layer] >= ntokens
 
-    def select(self, layer: int, q: torch.Tensor, ntokens: int) -> torch.Tensor:
+    def select(self, layer: int, q: torch.Tensor, ntokens: int, scale: float | None = None) -> torch.Tensor:
         """The pages of tokens ``[0, ntokens)`` each sequence attends to (``[B, n]`` bool), for one decode
-        query ``q`` (``[B, Hq, 1, D]``)."""
+        query ``q`` (``[B, Hq, 1, D]``; ``scale``: of ``q . k``, None: the state's)."""
         spec = self.spec
+        started = time.perf_counter()
+        scale = self.scale if scale is None else scale
         n = pages_of(ntokens, spec.page)
         pos = torch.tensor([ntokens], device=q.device)
         if spec.selector == "keys":
             assert self.key_copy is not None
-            scores = key_scores(q, self.key_copy.keys(layer, ntokens), pos, spec.page, self.scale)
+            scores = key_scores(q, self.key_copy.keys(layer, ntokens), pos, spec.page, scale)
         elif spec.selector == "quest":
             assert self.summaries is not None
             lo, hi = self.summaries.get(layer, n)
-            scores = quest_scores(q, lo, hi, pos, spec.page, self.scale)
+            scores = quest_scores(q, lo, hi, pos, spec.page, scale)
         else:
             scores = baseline_scores(spec, (q.shape[0], 1, n), "cpu", self._gen).to(q.device)
-        return choose_pages(spec, scores, pos)[:, 0]
+        out = choose_pages(spec, scores, pos)[:, 0]
+        self.select_s += time.perf_counter() - started
+        return out
 
     def nbytes(self) -> int:
         """Bytes held for selection: the summaries and the key copy."""
@@ -522,10 +534,11 @@ class ReuseBuffer:
         self.hits = 0
         self.lookups = 0
 
-    def plan(self, pages: torch.Tensor, versions: torch.Tensor, fresh_from: int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def plan(self, pages: torch.Tensor, versions: torch.Tensor, fresh_from: int | None = None,
+             partial_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """For the sorted ``pages`` to attend to: the pages to read and the buffer slots they go to. Pages from
-        ``fresh_from`` on are read whatever the buffer holds."""
+        ``fresh_from`` on are read whatever the buffer holds; pages from ``partial_from`` on (not yet whole: the
+        rows after the step's tokens are not read) are kept for this step only."""
         at = self.where[pages]
         hit = (at >= 0) & (self.held_version[at.clamp(min=0)] == versions[pages])
         if fresh_from is not None:
@@ -539,7 +552,10 @@ class ReuseBuffer:
         old = self.held[free]
         self.where[old[old >= 0]] = -1
         self.held[free] = miss
-        self.held_version[free] = versions[miss]
+        kept = versions[miss]
+        if partial_from is not None:
+            kept = kept.masked_fill(miss >= partial_from, -1)
+        self.held_version[free] = kept
         self.where[miss] = free
         self.hits += int(hit.sum())
         self.lookups += pages.numel()

@@ -784,7 +784,8 @@ class PageReader:
             if buf is None:
                 buf = self.buffers[key] = ReuseBuffer(self.capacity, self.page, self.max_pages)
             fresh = max(0, ntokens - self.slots.tail) // self.page if self.slots.tail else self.max_pages
-            miss, dest = buf.plan(pages, self.state.versions[layer], fresh_from=fresh)
+            miss, dest = buf.plan(pages, self.state.versions[layer], fresh_from=fresh,
+                                  partial_from=ntokens // self.page)
         self._plans[key] = (miss, dest)
         p = self.page
         runs = [(first * p, min(count * p, ntokens - first * p)) for first, count in runs_of(miss)]

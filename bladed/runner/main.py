@@ -24,6 +24,7 @@ import torch
 from bladed.client import MODES
 from bladed.config import ConfigError
 from bladed.kvformat import FORMATS, KVFormatError, kv_format
+from bladed.kvselect import SelectError, parse_select
 from bladed.kvstore import BladedKV, Geometry, KVBackend, MemoryKV, prefix_key_fields
 from bladed.pipeline import PIPELINE_MODES
 from bladed.protocol import BladedError, DaemonLostError, PermissionDeniedError, ShuttingDownError
@@ -208,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the newest N tokens of each offloaded layer's K/V are attended to from a full-precision "
                         "copy kept on --device, not from their stored rows (written all the same); 0 turns it "
                         "off, to measure the format alone (default: the --kv-format's own: 128 for q4, else 0)")
+    p.add_argument("--kv-select", default=None, metavar="SELECTOR:BUDGET[,OPTION=VALUE...]",
+                   help="sparse decode reads (docs/kv-select.md): a decode step of an offloaded layer past the "
+                        "first dense-layers reads only the pages of its past that SELECTOR picks for its query, "
+                        "BUDGET of them (a share of the pages in (0, 1], or Nt tokens), sinks and window included. "
+                        "Selectors: keys (scores from a q4 copy of K kept in memory; the measured default), quest "
+                        "(page min/max bounds), window (sinks + newest pages), random. Options: sinks=1, window=2 "
+                        "(pages), page=16 (tokens), dense-layers=2, heads=max|sum, keys=q4|q8|fp16|exact, mass=M "
+                        "(stop at M of the estimated attention mass), reuse=on|off (keep the pages read for the next "
+                        "step), seed=N. Trades accuracy for reads (default: off, every step reads its whole past)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--stop-at-eos", type=str2bool, nargs="?", const=True, default=None, metavar="BOOL",
                    help="stop once every sequence has produced the end-of-sequence token "
@@ -241,6 +251,11 @@ def check_args(a: argparse.Namespace) -> None:
     if a.kv_tail is not None and a.kv_tail < 0:
         raise UsageError(f"--kv-tail {a.kv_tail}: the full-precision tail is a number of tokens; give --kv-tail 0 "
                          "(off) or more, or leave it out for the --kv-format's own")
+    if a.kv_select is not None:
+        try:
+            a.kv_select = parse_select(a.kv_select, "--kv-select")
+        except SelectError as e:
+            raise UsageError(str(e)) from None
     if a.kv_dir is not None and a.backend != "mmap":
         raise UsageError(f"--kv-dir: the .npy files are --backend mmap's, the backend is {a.backend}; give "
                          "--backend mmap or drop --kv-dir")
@@ -371,6 +386,12 @@ def format_report(res: GenerationResult, model_bytes: int, cache_bytes: int, hid
     ]
     for path, s in res.stats.items():
         lines.append(f"bladed path {path}: " + "  ".join(f"{k} {v}" for k, v in s.items()))
+    sel = res.select
+    if sel:
+        lines.append(f"kv select: {sel['spec']}  pages attended {sel['pages_selected']:g} of {sel['pages_total']:g} "
+                     f"(share {sel['selected_share']})  read {sel['pages_read']:g} (reuse hit rate "
+                     f"{sel['reuse_hit_rate']})  held: selector {sel['selector_bytes']} B, reuse buffers "
+                     f"{sel['reuse_buffer_bytes']} B")
     pl = res.pipeline
     lines.append(f"pipeline: mode {pl.get('mode')}  decision {pl.get('decision')}  "
                  f"intra GB/s {pl.get('intra_GBps', {})}  cross GB/s {pl.get('cross_GBps', {})}")
@@ -586,7 +607,8 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
     pol = Policy(gpu_batch_size=gbs, num_gpu_batches=nb, w_gpu_percent=a.percent[0], w_cpu_percent=a.percent[1],
                  cache_gpu_percent=a.percent[2], cache_cpu_percent=a.percent[3], act_gpu_percent=a.percent[4],
                  act_cpu_percent=a.percent[5], overlap=a.overlap, pipeline=a.pipeline,
-                 copy_threads=a.copy_threads, kv_format=a.kv_format or "", kv_tail=a.kv_tail, prefetch=a.prefetch)
+                 copy_threads=a.copy_threads, kv_format=a.kv_format or "", kv_tail=a.kv_tail, prefetch=a.prefetch,
+                 kv_select=a.kv_select)
     with contextlib.ExitStack() as stack:
         factory: Any
         bladed_factory: _KVFactory | None = None
@@ -637,7 +659,10 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                 raise UsageError(f"--kv-format {a.kv_format}: {e}") from None
         stop = a.stop_at_eos if a.stop_at_eos is not None else lm.tokenizer is not None
         eos = cfg.eos_token_id if stop else None
-        runner = Runner(lm.model, pol, kv_factory=factory, device=device)
+        try:
+            runner = Runner(lm.model, pol, kv_factory=factory, device=device)
+        except SelectError as e:                 # a spec the model cannot take (more dense layers than it has)
+            raise UsageError(str(e)) from None
         if isinstance(factory, _MmapFactory):
             factory.wait_started()
         dtype_name = str(dtype).removeprefix("torch.")
@@ -645,6 +670,11 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
         def generate(ids: torch.Tensor) -> GenerationResult:
             """One request: the prompt ``ids`` (with --reuse-prefix: its key, and the KV retained at the end)."""
             prompt_len = int(ids.shape[1])
+            if runner.select is not None:        # a window longer than this request's context
+                try:
+                    runner.select.check_context(prompt_len + a.gen_len, cfg.num_layers)
+                except SelectError as e:
+                    raise UsageError(str(e)) from None
             if bladed_factory is not None:
                 bladed_factory.prefix_tokens = 0
                 if a.reuse_prefix:
@@ -676,7 +706,8 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
         kv_fmt = kv_format(a.kv_format or dtype_name)
         info = {"mode": a.mode, "backend": a.backend, "overlap": a.overlap, "model": cfg.name, "source": lm.source,
                 "device": device, "dtype": dtype_name, "kv_format": kv_fmt.name,
-                "kv_full_precision_tail": runner.kv_tail, "reuse_prefix": a.reuse_prefix}
+                "kv_full_precision_tail": runner.kv_tail, "reuse_prefix": a.reuse_prefix,
+                "kv_select": runner.select.describe() if runner.select is not None else None}
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         if a.chat_messages is not None:
@@ -710,7 +741,7 @@ def _run(a: argparse.Namespace, progress: Progress, state: _RunState) -> int:
                "gen_len_limit": a.gen_len, "stop_reason": stop_reason, "batch": batch, **res.throughputs(),
                "prefix_tokens": res.prefix_tokens, "retained": res.retained[0] if res.retained else None,
                "load_wait_s": res.load_wait_s, "steps": res.step_times, "stats": res.stats,
-               "pipeline": res.pipeline, "plans": res.plans,
+               "pipeline": res.pipeline, "plans": res.plans, "select": res.select or None,
                "text": text, "tokens": res.tokens.tolist()}
         print(json.dumps(out))
     else:
