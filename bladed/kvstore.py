@@ -134,6 +134,16 @@ class KVOp:
     hit_ratio: float | None = None
 
 
+def combined_op(results: list[Any]) -> KVOp:
+    """Several ranges' results (``OpResult``, :class:`KVOp`) as one: the bytes and the daemon's seconds summed,
+    the hit ratio weighted by bytes (None where none is known), the first one's path."""
+    nbytes = sum(int(r.nbytes) for r in results)
+    known = [r for r in results if r.hit_ratio is not None]
+    seen = sum(int(r.nbytes) for r in known)
+    hit = sum(float(r.hit_ratio) * int(r.nbytes) for r in known) / seen if known and seen else None
+    return KVOp(str(results[0].path) if results else "?", nbytes, sum(int(r.service_ns or 0) for r in results), hit)
+
+
 @runtime_checkable
 class KVBackend(Protocol):
     geometry: Geometry
@@ -467,12 +477,7 @@ class BladedKV:
             else:
                 requests[0] = [*pending, *requests[0]]
                 self._deferred[ch], self._spare_used[ch] = [], 0
-        replies = self.session.submit_many(ch, requests)
-        reads = [r[-1] for r in replies]
-        nbytes = sum(r.nbytes for r in reads)
-        known = [r for r in reads if r.hit_ratio is not None]
-        hit = sum(r.hit_ratio * r.nbytes for r in known) / max(1, sum(r.nbytes for r in known)) if known else None
-        return KVOp(reads[0].path, nbytes, sum(r.service_ns for r in reads), hit)
+        return combined_op([r[-1] for r in self.session.submit_many(ch, requests)])
 
     def flush(self, ch: int | None = None) -> None:
         """Send the deferred writes of channel ``ch`` (default: every channel)."""
@@ -846,6 +851,7 @@ __all__ = [
     "PathStats",
     "SlotTensors",
     "StatsBook",
+    "combined_op",
     "dtype_bytes",
     "full_precision_tail",
     "kv_geometry",

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from bladed_bench.e2e import SIDES, owner_allowance, parse_side
+from bladed_bench.e2e import SIDES, owner_allowance, parse_side, reference_side
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "bench_e2e.py"
@@ -26,6 +26,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_sides_and_the_owner_allowance() -> None:
     assert parse_side("dualblade-q8") == ("dualblade", "q8") and parse_side("mmap") == ("mmap", None)
+    assert parse_side("dualblade-q8@sel") == ("dualblade", "q8") and reference_side("dualblade-q8@sel") == \
+        "memory-q8@sel" and reference_side("dualblade+disk") == "memory"
     with pytest.raises(ValueError, match="unknown side 'flexgen'"):
         parse_side("flexgen")
     # the owner's own memory: 48 MiB and one KPU-sized staging slot per copy thread

@@ -137,3 +137,42 @@ def test_sweep_with_kv_formats(store_dir: str, tmp_path: pathlib.Path) -> None:
     assert doc["codec"]["q8"]["quantize_gbps"] > 0 and doc["codec"]["q8"]["dequantize_gbps"] > 0
     text = pathlib.Path(md).read_text()
     assert "## KV formats (issue 31)" in text and "decode dualblade-q8 / baseline-q8" in text
+
+
+def test_sweep_with_sparse_reads(store_dir: str, tmp_path: pathlib.Path) -> None:
+    """Issue 47's sparse decode reads: the @sel run reads, per selecting layer and step, the trace's pages that
+    the reuse buffer lacks (the page not yet whole every step), as runs of consecutive pages; the dense layers
+    and the dense configuration read everything; what is read back carries what was written."""
+    page, prompt_len, gen = 8, 64, 5
+    pages = {"2": [[0, 3, 4, 7], [0, 3, 5, 7], [0, 1, 2, 7, 8], [0, 1, 2, 7, 8]],
+             "3": [[0, 6, 7], [0, 6, 7], [0, 6, 7, 8], [0, 5, 7, 8]]}
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"schema": "bladed.kvselect_trace/1", "page": page, "dense_layers": 2,
+                                 "first_position": prompt_len, "steps": gen - 1, "pages": pages}))
+    js = str(tmp_path / "kv-sweep-select.json")
+    geometry = ["--layers", "4", "--batch", "1", "--kv-heads", "4", "--head-dim", "512", "--prompt-len",
+                str(prompt_len), "--gen-len", str(gen)]
+    rc = main(["sweep", *geometry, "--configs", "dualblade,dualblade@sel", "--select", f"keys:0.5,page={page}",
+               "--select-trace", str(trace), "--limits", "0.25", "--pp-limits", "", "--alphas", "",
+               "--noreplan-limits", "", "--reps", "1", "--no-drop", "--no-settle", "--fio-size", "8M",
+               "--pc-probe-size", "8M", "--workdir", os.path.join(store_dir, "w"), "--json", js])
+    assert rc == 0
+    with open(js) as f:
+        runs = {r["name"]: r for r in json.load(f)["runs"]}
+    assert [r for r in runs.values() if "error" in r] == []
+    row = 4096
+    dense = [prompt_len + i - 1 for i in range(1, gen)]                  # the past of each decode step
+    assert runs["dualblade"]["bytes"]["decode_read"] == 2 * 4 * sum(dense) * row
+    read_tokens, read_pages, held = 0, 0, {"2": set(), "3": set()}
+    for step, ntok in enumerate(dense):
+        for layer in ("2", "3"):
+            sel = pages[layer][step]
+            miss = [p for p in sel if p not in held[layer] or p >= ntok // page]
+            held[layer] = {p for p in sel if p < ntok // page}
+            read_pages += len(miss)
+            read_tokens += sum(min(page, ntok - p * page) for p in miss)
+    sel_run = runs["dualblade@sel"]
+    assert sel_run["bytes"]["decode_read"] == 2 * (2 * sum(dense) + read_tokens) * row
+    assert sel_run["select"]["pages_read"] == read_pages
+    assert sel_run["select"]["pages"] == sum(len(p) for layer in pages.values() for p in layer)
+    assert sel_run["verify"]["errors"] == 0 and sel_run["verify"]["checked"] > 0

@@ -156,7 +156,7 @@ def page_mask(spec: SelectSpec, q: torch.Tensor, keys: torch.Tensor, positions: 
 
 def forward(model: DecoderModel, past: Past, ids: torch.Tensor, pos0: int, spec: SelectSpec | None,
             stats: Stats | None = None, gen: torch.Generator | None = None,
-            entropy: list[float] | None = None) -> torch.Tensor:
+            entropy: list[float] | None = None, capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """``ids`` (``[1, s]``) at positions ``pos0..``: dense causal attention over ``past`` (``spec`` None) or each
     position as a decode step through the selection; appends the K/V to ``past``; the logits ``[s, vocab]``."""
     h = model.embed(ids, pos0)
@@ -185,6 +185,8 @@ def forward(model: DecoderModel, past: Past, ids: torch.Tensor, pos0: int, spec:
             if stats is not None:
                 stats.select_s += time.perf_counter() - started
                 _count(stats, layer, spec, pages, positions)
+            if capture is not None:
+                capture[layer] = pages
             tok = pages.repeat_interleave(spec.page, dim=-1)[:, :total]
             mask = (tok & (torch.arange(total)[None, :] < positions[:, None])) | (
                 torch.arange(total)[None, :] == positions[:, None])
@@ -363,6 +365,23 @@ def run_passkey(model: DecoderModel, tok: Any, lengths: list[int], depths: list[
     return out
 
 
+# -- a trace of the pages selected, for the storage-bound harness -----------------------------------------------
+def record_trace(model: DecoderModel, ids: list[int], spec: SelectSpec, prompt_len: int, steps: int,
+                 source: str) -> dict[str, Any]:
+    """The pages ``spec`` selects at each selecting layer for the decode positions ``prompt_len ..
+    prompt_len + steps - 1`` of the text ``ids`` (teacher-forced, as :func:`run_text` scores them): what
+    ``bladed_bench.workload`` replays with ``WorkloadSpec.select_trace``."""
+    win = ids[:prompt_len + steps]
+    base = prefill(model, win[:prompt_len])
+    capture: dict[int, torch.Tensor] = {}
+    forward(model, base, torch.tensor([win[prompt_len:]]), prompt_len, spec, capture=capture)
+    return {"schema": "bladed.kvselect_trace/1", "spec": spec.describe(), "page": spec.page,
+            "dense_layers": spec.dense_layers, "first_position": prompt_len, "steps": steps,
+            "model": "SmolLM2-135M-Instruct", "text": source,
+            "pages": {str(layer): [m.nonzero().flatten().tolist() for m in mask] for layer, mask in
+                      sorted(capture.items())}}
+
+
 # -- the run ----------------------------------------------------------------------------------------------
 def configs_from(args: argparse.Namespace) -> dict[str, SelectSpec]:
     if args.configs:
@@ -427,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passkey-configs", default="", help="';'-separated specs for the passkey (default: all)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 short window, 2 configs, tiny passkey")
     p.add_argument("--out", default=None, help="the JSON ('-': stdout; default docs/bench/kv-select-<UTC>.json)")
+    p.add_argument("--trace", default=None, metavar="SPEC",
+                   help="instead of the accuracy run: record the pages SPEC selects at every selecting layer for "
+                        "--trace-steps decode positions after a prompt of --trace-prompt tokens of the text, as JSON "
+                        "for the storage-bound harness (WorkloadSpec.select_trace)")
+    p.add_argument("--trace-prompt", type=int, default=4096)
+    p.add_argument("--trace-steps", type=int, default=16)
     p.add_argument("--note", action="append", default=[])
     a = p.parse_args(argv)
     if a.quick:
@@ -443,6 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     assert tok is not None, "SmolLM2 comes with its tokenizer"
     text, source = corpus_text(a.corpus)
     ids = list(tok.encode(text, add_special_tokens=False))
+    if a.trace:
+        with torch.no_grad():
+            doc = record_trace(model, ids, parse_select(a.trace, "--trace"), a.trace_prompt, a.trace_steps, source)
+        if a.out and a.out != "-":
+            pathlib.Path(a.out).write_text(json.dumps(doc) + "\n")
+        else:
+            print(json.dumps(doc))
+        return 0
     configs = configs_from(a)
     started = time.time()
     with torch.no_grad():

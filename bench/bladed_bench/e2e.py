@@ -74,6 +74,8 @@ CGROUP_STATS = ("cache", "rss", "shmem", "mapped_file", "dirty", "writeback", "f
 
 
 def side_label(side: str) -> str:
+    if side.endswith("@sel"):
+        return side_label(side.removesuffix("@sel")) + ", sparse reads"
     name, _, backing = side.partition("+")
     mode, _, fmt = name.partition("-")
     return LABELS.get(mode, mode) + (f" {fmt}" if fmt else "") + (f" ({backing} Group 1)" if backing else "")
@@ -84,20 +86,38 @@ def side_label(side: str) -> str:
 BACKINGS = ("memory", "disk")
 
 
+#: a side's suffix for the plan's sparse decode reads (``dualblade@sel``: the runner's ``--kv-select`` with
+#: :attr:`E2EPlan.select`)
+SELECT_SUFFIX = "@sel"
+
+
+def side_selects(side: str) -> bool:
+    """Whether ``side`` runs with the plan's sparse decode reads (``dualblade@sel``, ``memory@sel``)."""
+    return side.endswith(SELECT_SUFFIX)
+
+
 def parse_side(side: str) -> tuple[str, str | None]:
     """``dualblade-q8`` -> ``("dualblade", "q8")``; ValueError naming the known sides for anything else."""
+    side = side.removesuffix(SELECT_SUFFIX)
     name, _, backing = side.partition("+")
     mode, _, fmt = name.partition("-")
     if mode not in ("memory", "mmap", *BLADED_MODES) or (backing and (backing not in BACKINGS or
                                                                       mode not in BLADED_MODES)):
         raise ValueError(f"unknown side {side!r}; choose from {', '.join(SIDES)} (a side may carry a KV format: "
-                         "dualblade-q8, mmap-q8, ...; a bladed side a page-cache backing: dualblade+disk)")
+                         "dualblade-q8, mmap-q8, ...; a bladed side a page-cache backing: dualblade+disk; any side "
+                         f"the plan's sparse decode reads: dualblade{SELECT_SUFFIX})")
     return mode, fmt or None
 
 
 def side_backing(side: str) -> str | None:
     """The ``pagecache.backing`` a bladed side names (``dualblade+disk``: ``disk``), or None (the default)."""
-    return side.partition("+")[2] or None
+    return side.removesuffix(SELECT_SUFFIX).partition("+")[2] or None
+
+
+def reference_side(side: str) -> str:
+    """The in-memory side whose tokens ``side``'s must equal: the same KV format and selection, KV in RAM."""
+    fmt = parse_side(side)[1]
+    return "memory" + (f"-{fmt}" if fmt else "") + (SELECT_SUFFIX if side_selects(side) else "")
 
 
 @dataclass(frozen=True)
@@ -157,6 +177,8 @@ class E2EPlan:
     #: called after every limit of every repetition with (repetition, fraction, limit, the JSON so far): another
     #: system run at the same point of the same alternation (``tools/gpu_check_steps.py``: FlexGen)
     after_limit: Callable[[int, float, int, dict[str, Any]], None] | None = None
+    #: the sparse decode reads of the ``@sel`` sides (the runner's ``--kv-select``; docs/kv-select.md)
+    select: str | None = None
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -241,6 +263,10 @@ class E2ERunner:
             argv += ["--backend", "bladed", "--socket", socket_path, "--mode", mode]
         if fmt:
             argv += ["--kv-format", fmt]
+        if side_selects(side):
+            if not self.plan.select:
+                raise ValueError(f"side {side!r} needs the plan's select (tools/bench_e2e.py --select SPEC)")
+            argv += ["--kv-select", self.plan.select]
         return argv
 
     def settle(self) -> dict[str, Any]:
@@ -339,6 +365,7 @@ class E2ERunner:
             "hit": _hit_ratios(r.get("stats", {})), "stats": r.get("stats", {}), "load_wait_s": r.get("load_wait_s"),
             "pipeline": {k: r.get("pipeline", {}).get(k) for k in ("decision", "intra_GBps", "cross_GBps")},
             "plan": _plan_summary(r.get("plans") or []), "steps": r.get("steps"), "tokens": r["tokens"],
+            "select": r.get("select"),
         }
 
 
@@ -409,7 +436,7 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
         "plan": {"sides": plan.sides, "fractions": plan.fractions, "reps": plan.reps, "workdir": plan.workdir,
                  "cold_runs": runner.drop_ok, "cgroups": runner.cgroups, "settle": plan.settle,
                  "order": "williams", "notes": plan.notes, "drop_scope": plan.drop_scope,
-                 "budget_s": plan.budget_s},
+                 "budget_s": plan.budget_s, "select": plan.select},
         "runs": [],
     }
     lock = threading.Lock()
@@ -426,11 +453,12 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
     t_begin = time.perf_counter()
     say("warm-up: memory side (model conversion, KV set size, reference tokens)")
     warm = runner.run("memory", None, cold=False)
-    # a lossy format's tokens are compared with the in-memory KV of the same format (the same arithmetic)
-    refs: dict[str | None, Any] = {None: warm["tokens"]}
-    for fmt in sorted({f for f in (parse_side(s)[1] for s in plan.sides) if f}):
-        say(f"warm-up: memory side with --kv-format {fmt} (its reference tokens)")
-        refs[fmt] = runner.run(f"memory-{fmt}", None, cold=False)["tokens"]
+    # a lossy format's (or a selection's) tokens are compared with the in-memory KV of the same format and
+    # selection (the same arithmetic)
+    refs: dict[str, Any] = {"memory": warm["tokens"]}
+    for ref in sorted({reference_side(s) for s in plan.sides} - {"memory"}):
+        say(f"warm-up: side {ref} (its reference tokens)")
+        refs[ref] = runner.run(ref, None, cold=False)["tokens"]
     kv = int(warm["kv_bytes"])
     runner.store_bytes = align_up(kv + 256 * MiB, MiB)
     allowance = plan.allowance if plan.allowance is not None else owner_allowance(
@@ -439,7 +467,7 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
     doc["weight_bytes"] = warm.get("weight_bytes")
     doc["owner_allowance_bytes"] = allowance
     doc["warmup"] = {k: warm[k] for k in ("process_s", "ttft_s", "decode_tok_s", "prefill_tok_s")}
-    doc["reference_tokens"] = {fmt or "": tokens for fmt, tokens in refs.items()}
+    doc["reference_tokens"] = dict(refs)
     limits = [align_up(allowance + int(f * kv), PAGE_SIZE) for f in plan.fractions]  # the kernel keeps pages
     doc["limits"] = limits
     total = plan.reps * len(limits) * len(plan.sides)
@@ -465,7 +493,7 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
                     rec = {"side": side, "limit_bytes": limit, "error": f"{type(e).__name__}: {e}"}
                 rec.update(rep=rep, fraction=frac, round=rep * len(limits) + ri)
                 if "tokens" in rec:
-                    rec["tokens_equal_memory"] = rec["tokens"] == refs[parse_side(side)[1]]
+                    rec["tokens_equal_memory"] = rec["tokens"] == refs[reference_side(side)]
                 doc["runs"].append(rec)
                 budget["runs_done"] = len(doc["runs"])
                 longest = max(longest, time.perf_counter() - t_run)
@@ -541,6 +569,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         pairs = [("dualblade", "mmap"), ("dualblade", "baseline"), ("dualblade", "memory"), ("baseline", "mmap"),
                  ("dualblade-q8", "dualblade"), ("dualblade-q8", "mmap")]
         pairs += [(side.partition("+")[0], side) for side in sides if "+" in side]   # a backing against the default
+        pairs += [(side, b) for side in sides if side_selects(side)                 # the sparse reads
+                  for b in (side.removesuffix(SELECT_SUFFIX), "memory")]
         for a, b in pairs:
             if a in sides and b in sides:
                 ratios[f"{a}/{b}"] = {"decode_time": _med(paired(doc, a, b, "decode_s", limit)),
@@ -688,6 +718,18 @@ def markdown(doc: dict[str, Any]) -> str:
         vals = ", ".join(f"{f:g}: {'-' if v is None else f'{v:.2f}'}" for f, v in t["values"]) or "-"
         verdict = {True: "met", False: "**missed**", None: ""}[t["met"]]
         lines.append(f"| {t['measure']} | {t['target']} | {vals} | {verdict} |")
+    sparse = [side for side in sides if side_selects(side)]
+    if sparse:
+        lines += ["", f"Sparse decode reads (`--kv-select {doc['plan'].get('select')}`), paired ratios, median "
+                      "[min-max]:", "", "| limit (GiB) | side | decode time ÷ dense | decode tok/s ÷ memory (dense) |",
+                  "| --- | --- | --- | --- |"]
+        for row in summ["by_limit"]:
+            r = row["ratios"]
+            for side in sparse:
+                dense = side.removesuffix(SELECT_SUFFIX)
+                lines.append(f"| {row['limit_bytes'] / GiB:.3f} | {side_label(side)} | "
+                             f"{_fmt(r.get(f'{side}/{dense}', {}).get('decode_time'))} | "
+                             f"{_fmt(r.get(f'{side}/memory', {}).get('decode_tok_s'))} |")
     eq = summ.get("tokens_equal_memory")
     lines += ["", f"Generated tokens equal to memory's (of the same KV format) on every run: "
                   f"{'yes' if eq else 'NO'}; failed runs: "
@@ -729,6 +771,6 @@ def plot(doc: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["SIDES", "WORKLOADS", "E2EPlan", "E2ERunner", "E2EWorkload", "breakdown", "markdown", "plot", "run_e2e",
-           "summarize", "worst_point"]
+__all__ = ["SELECT_SUFFIX", "SIDES", "WORKLOADS", "E2EPlan", "E2ERunner", "E2EWorkload", "breakdown", "markdown",
+           "plot", "run_e2e", "summarize", "worst_point"]
 

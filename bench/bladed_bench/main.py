@@ -70,7 +70,7 @@ def _configs(text: str) -> list[str]:
 
     out = [x.strip() for x in text.split(",") if x.strip()]
     for name in out:
-        config, _, fmt = name.partition("-")
+        config, _, fmt = name.removesuffix("@sel").partition("-")
         if config not in CONFIGS:
             raise argparse.ArgumentTypeError(f"{name!r}: choose from {', '.join(CONFIGS)}, each optionally with a "
                                              "KV format (dualblade-q8)")
@@ -115,7 +115,10 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     plan = SweepPlan(spec=spec, points=pts, reps=a.reps, workdir=a.workdir, fio_size=a.fio_size,
                      pc_probe_size=a.pc_probe_size, drop=not a.no_drop, keep_series=a.keep_series,
                      settle=not a.no_settle, memory_settle=not a.no_memory_settle,
-                     codec_charge=a.codec_charge == "measured", notes={"argv": sys.argv[1:]})
+                     codec_charge=a.codec_charge == "measured", notes={"argv": sys.argv[1:]},
+                     select=a.select or "", select_trace=a.select_trace or "")
+    if any(p.select for p in pts) != bool(a.select and a.select_trace):
+        raise SystemExit("--select and --select-trace go with configurations named <config>@sel (and they with them)")
     if os.geteuid() != 0:
         print("warning: not root: no memory cgroups (the limits are not applied) and caches are not dropped",
               file=sys.stderr)
@@ -181,7 +184,13 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     s.add_argument("--configs", type=_configs, default=list(CONFIGS),
                    help="comma-separated; each may name a KV format: dualblade-q8, dualblade-q4, baseline-q8 "
                         "(issue 31; the runs are charged this CPU's measured quantize/dequantize time, unless "
-                        "--codec-charge none)")
+                        "--codec-charge none), and end in @sel for --select's sparse reads: dualblade@sel")
+    s.add_argument("--select", default=None, metavar="SPEC",
+                   help="sparse decode reads of the configurations named <config>@sel (issue 47, docs/kv-select.md): "
+                        "a bladed.kvselect spec, e.g. keys:0.25 (its page, dense layers and reuse apply)")
+    s.add_argument("--select-trace", default=None, metavar="FILE",
+                   help="the pages a model selected per layer and position, which the @sel runs read "
+                        "(tools/bench_kv_select.py --trace SPEC --trace-prompt PROMPT_LEN --out FILE)")
     s.add_argument("--pipelines", type=_names(PIPELINES), default=["adaptive", "off"],
                    help="first: the main sweep's; the others for the on/off and alpha studies")
     s.add_argument("--pp-limits", type=_floats, default=[1.0], help="limits (GiB) of the P·P on/off study")

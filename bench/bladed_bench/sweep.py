@@ -83,11 +83,13 @@ class Point:
     live_replan: bool | None = None  # None: the daemon's default (budget.live_replan)
     engine: str | None = None        # None: the daemon's default (io.engine = "auto")
     kv_format: str | None = None     # None: plain rows of the workload's dtype; else q8, q4, fp16, ... (issue 31)
+    select: bool = False             # the plan's sparse decode reads (SweepPlan.select; issue 47)
 
     @property
     def name(self) -> str:
-        """The configuration as the sweep's ``--configs`` names it (``dualblade``, ``dualblade-q8``)."""
-        return self.config + (f"-{self.kv_format}" if self.kv_format else "")
+        """The configuration as the sweep's ``--configs`` names it (``dualblade``, ``dualblade-q8``,
+        ``dualblade@sel``)."""
+        return self.config + (f"-{self.kv_format}" if self.kv_format else "") + ("@sel" if self.select else "")
 
     @property
     def round_key(self) -> tuple[str, int | None, float | None]:
@@ -112,6 +114,10 @@ class SweepPlan:
     #: runs on a GPU at hundreds of GB/s sees, the storage side alone
     codec_charge: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
+    #: the ``@sel`` points' sparse decode reads: a ``bladed.kvselect`` spec and the trace of the pages a model
+    #: selected (``WorkloadSpec.select`` / ``select_trace``)
+    select: str = ""
+    select_trace: str = ""
 
     @property
     def settles_memory(self) -> bool:
@@ -139,8 +145,9 @@ def headroom_override(limit: int, kpu_bytes: int, frac: float, channels: int = 2
 
 
 def split_config(name: str) -> tuple[str, str | None]:
-    """``dualblade-q8`` -> ``("dualblade", "q8")``; ``baseline`` -> ``("baseline", None)``."""
-    config, _, fmt = name.partition("-")
+    """``dualblade-q8`` -> ``("dualblade", "q8")``; ``baseline`` -> ``("baseline", None)``; an ``@sel`` suffix
+    (the plan's sparse reads) is not part of either."""
+    config, _, fmt = name.removesuffix("@sel").partition("-")
     return config, fmt or None
 
 
@@ -154,7 +161,7 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
     the Table V study."""
     def point(study: str, name: str, pipeline: str, lim: int) -> Point:
         config, fmt = split_config(name)
-        return Point(study, config, pipeline, lim, kv_format=fmt)
+        return Point(study, config, pipeline, lim, kv_format=fmt, select=name.endswith("@sel"))
 
     pts = [point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
     for lim in pp_limits or []:
@@ -275,6 +282,9 @@ def summarize_trace(trace: RunTrace) -> dict[str, Any]:
         "disk_phase": trace.disk_phase,
         "pipeline_report": trace.pipeline,
         "verify": {"checked": trace.verify_checked, "errors": trace.verify_errors},
+        "select": {"pages": trace.select_pages, "pages_total": trace.select_all_pages,
+                   "pages_read": trace.select_read_pages, "requests": trace.select_runs,
+                   "trace": trace.select_source} if trace.select_source else None,
     }
 
 
@@ -309,6 +319,8 @@ class SweepRunner:
 
     def run_point(self, p: Point, rep: int, keep_series: bool) -> dict[str, Any]:
         spec = replace(self.plan.spec, pipeline=p.pipeline, dma=p.dma or self.plan.spec.dma)
+        if p.select:
+            spec = replace(spec, select=self.plan.select, select_trace=self.plan.select_trace)
         if p.kv_format:
             rates = self.codec[p.kv_format] if self.plan.codec_charge else {"quantize_gbps": 0.0,
                                                                               "dequantize_gbps": 0.0}
@@ -318,7 +330,9 @@ class SweepRunner:
         shutil.rmtree(os.path.join(state_dir, "pagecache"), ignore_errors=True)
         shutil.rmtree(os.path.join(state_dir, "torchdisk"), ignore_errors=True)
         rec: dict[str, Any] = {"study": p.study, "config": p.config, "kv_format": p.kv_format,
-                               "label": LABELS[p.config] + (f" {p.kv_format}" if p.kv_format else ""),
+                               "label": LABELS[p.config] + (f" {p.kv_format}" if p.kv_format else "") + (
+                                   " sparse" if p.select else ""), "name": p.name,
+                               "select": spec.select or None,
                                "pipeline": p.pipeline, "limit_bytes": p.limit_bytes, "alpha": p.alpha,
                                "budget_override": p.budget_override, "rep": rep, "dma": spec.dma,
                                "live_replan": p.live_replan, "engine": p.engine,

@@ -16,6 +16,13 @@ For a geometry (layers L, batch B, KV heads H, head dim D, fp16) with
   (FlexLLMGen's I/O-compute overlap), then the one-token append of K and V at
   ``pos``.
 
+Sparse decode reads (``select``, ``bladed.kvselect``; issue 47): a layer past the spec's dense layers reads
+only the pages a real model selected at that layer and position (``select_trace``, recorded by
+``tools/bench_kv_select.py --trace``; the workload's selecting layers take the trace's in turn), as the
+runner does: on demand (its query comes first, so no layer-ahead prefetch), the pages the reuse buffer lacks
+(with the spec's ``reuse``: the pages the layer read in the previous step, but the one not yet whole) as one
+request per run of consecutive pages, pipelined; the DMA carries what was read.
+
 No GPU is needed: compute is ``--compute-ms`` per layer (a sleep, so it takes
 no CPU from the I/O), and the DMA between the staging slot and the GPU is
 modelled as ``nbytes / dma_gbps`` under one lock (copies on one GPU copy
@@ -79,6 +86,10 @@ class WorkloadSpec:
     #: read its dequantize time (issue 31: the sweep charges what the inference process would spend)
     quantize_gbps: float = 0.0
     dequantize_gbps: float = 0.0
+    #: sparse decode reads: a ``bladed.kvselect`` spec (its page, dense layers and reuse apply) and the JSON of
+    #: the pages a model selected (``tools/bench_kv_select.py --trace``); "" reads every step's whole past
+    select: str = ""
+    select_trace: str = ""
 
     @property
     def max_tokens(self) -> int:
@@ -248,6 +259,15 @@ class BladedTarget:
         r = fn(layer, kind, ch, token_start=t0, ntokens=n)
         return r.path, r.nbytes, r.service_ns, r.hit_ratio
 
+    def read_runs(self, layer: int, kind: str, ch: int, runs: list[tuple[int, int]]
+                  ) -> tuple[str, int, int, float | None]:
+        """Token ranges of one KPU: one request each (a request names a KPU once), pipelined on the channel."""
+        from bladed.kvstore import combined_op
+
+        replies = self.session.submit_many(ch, [[self.session.range("read", layer, kind, t0, n)] for t0, n in runs])
+        op = combined_op([r[0] for r in replies])
+        return op.path, op.nbytes, op.service_ns, op.hit_ratio
+
     def pids(self) -> list[int]:
         return [self.daemon.pid]
 
@@ -340,6 +360,13 @@ class RunTrace:
     verify_checked: int = 0
     cpu_s: dict[str, float | None] = field(default_factory=dict)
     disk_phase: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    #: sparse decode reads: pages the selecting layers' K attended to, of those their past held, read (the
+    #: reuse buffer lacked them), and the requests (runs) K and V took
+    select_pages: int = 0
+    select_all_pages: int = 0
+    select_read_pages: int = 0
+    select_runs: int = 0
+    select_source: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prefill_s(self) -> float:
@@ -348,6 +375,47 @@ class RunTrace:
     @property
     def decode_s(self) -> float:
         return self.t_end - self.t_decode_start
+
+
+class SelectTrace:
+    """The pages a model selected per layer and decode position (``WorkloadSpec.select_trace``), for the
+    workload's layers: the first ``dense_layers`` read everything, the others take the trace's selecting layers
+    in turn."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        from bladed.kvselect import parse_select
+
+        self.select = parse_select(spec.select, "select")
+        with open(spec.select_trace) as f:
+            doc = json.load(f)
+        if doc.get("page") != self.select.page or doc.get("first_position") != spec.prompt_len:
+            raise ValueError(f"{spec.select_trace}: a trace of pages of {doc.get('page')} from position "
+                             f"{doc.get('first_position')}; the workload needs pages of {self.select.page} from "
+                             f"{spec.prompt_len} (tools/bench_kv_select.py --trace ... --trace-prompt "
+                             f"{spec.prompt_len})")
+        if int(doc.get("steps", 0)) < spec.gen_len - 1:
+            raise ValueError(f"{spec.select_trace}: {doc.get('steps')} steps, the workload decodes {spec.gen_len - 1}")
+        self.dense_layers = int(doc["dense_layers"])
+        self.layers = [doc["pages"][k] for k in sorted(doc["pages"], key=int)]
+        self.first = spec.prompt_len
+        self.source = {k: doc.get(k) for k in ("spec", "model", "text", "steps")}
+
+    def pages(self, layer: int, pos: int) -> list[int] | None:
+        """The pages layer ``layer`` reads at decode position ``pos`` (None: all of its past)."""
+        if layer < self.dense_layers:
+            return None
+        return list(self.layers[(layer - self.dense_layers) % len(self.layers)][pos - self.first])
+
+
+def _runs(pages: list[int], page: int, ntok: int) -> list[tuple[int, int]]:
+    """Sorted page ids as token ranges of runs of consecutive pages, clipped to ``ntok`` tokens."""
+    out: list[tuple[int, int]] = []
+    for p in pages:
+        if out and out[-1][0] + out[-1][1] == p * page:
+            out[-1] = (out[-1][0], out[-1][1] + page)
+        else:
+            out.append((p * page, page))
+    return [(t0, min(n, ntok - t0)) for t0, n in out if t0 < ntok]
 
 
 def _stamp_base(layer: int, kind: str) -> int:
@@ -375,6 +443,9 @@ class Workload:
         if spec.dma == "copy":
             self._gpu = [np.empty_like(r) for r in self._rows]
         self._verify_lock = threading.Lock()
+        self.select = SelectTrace(spec) if spec.select else None
+        #: per (layer, kind): the pages the reuse buffer holds (what the layer read in the previous step)
+        self._held: dict[tuple[int, str], set[int]] = {}
 
     # -- pieces ---------------------------------------------------------------------
     def _ticks(self) -> int:
@@ -396,6 +467,27 @@ class Workload:
                        service_ns=service_ns, hit=hit, ticks_ms=self._ticks() - k0)
         with self._ops_lock:
             trace.ops.append(rec)
+        if self.on_op is not None:
+            self.on_op(rec)
+        return rec
+
+    def _io_runs(self, trace: RunTrace, step: int, layer: int, kind: str, ch: int,
+                 runs: list[tuple[int, int]]) -> OpRecord:
+        k0 = self._ticks()
+        s = time.perf_counter()
+        read_runs = getattr(self.target, "read_runs", None)
+        if read_runs is not None:
+            path, nbytes, service_ns, hit = read_runs(layer, kind, ch, runs)
+        else:
+            got = [self.target.io("read", layer, kind, ch, t0, n) for t0, n in runs]
+            path, nbytes, service_ns, hit = got[0][0], sum(g[1] for g in got), sum(g[2] for g in got), None
+        e = time.perf_counter()
+        rec = OpRecord(phase="decode", step=step, op="read", layer=layer, kind=kind, ch=ch,
+                       group=self.target.group(layer, kind), path=path, nbytes=nbytes, t0=s, t1=e,
+                       service_ns=service_ns, hit=hit, ticks_ms=self._ticks() - k0)
+        with self._ops_lock:
+            trace.ops.append(rec)
+            trace.select_runs += len(runs)
         if self.on_op is not None:
             self.on_op(rec)
         return rec
@@ -425,15 +517,18 @@ class Workload:
         rows = self._rows[ch]
         rows[t0:t0 + n, 0] = np.uint64(_stamp_base(layer, kind)) + np.arange(t0, t0 + n, dtype=np.uint64)
 
-    def _verify(self, trace: RunTrace, ch: int, layer: int, kind: str, ntok: int) -> None:
+    def _verify(self, trace: RunTrace, ch: int, layer: int, kind: str, ntok: int,
+                check: set[int] | None = None) -> None:
+        """The stamps of a few rows read: of tokens ``[0, ntok)`` the first, middle and last, or ``check``."""
         rows = self._rows[ch]
         base = _stamp_base(layer, kind)
         bad = 0
-        for t in {0, ntok // 2, ntok - 1}:
+        check = check or {0, ntok // 2, ntok - 1}
+        for t in check:
             if int(rows[t, 0]) != base + t:
                 bad += 1
         with self._verify_lock:
-            trace.verify_checked += 3
+            trace.verify_checked += len(check)
             trace.verify_errors += bad
 
     # -- the run --------------------------------------------------------------------
@@ -441,7 +536,7 @@ class Workload:
             on_step: Callable[[int], None] | None = None) -> RunTrace:
         spec = self.spec
         L = spec.layers
-        trace = RunTrace(spec=spec.to_dict())
+        trace = RunTrace(spec=spec.to_dict(), select_source=self.select.source if self.select else {})
         pool = CopyThreadPool(spec.channels, name="bench-copy")
         pipe = AdaptivePipeline(pool, spec.pipeline)  # type: ignore[arg-type]
         ch_of = {"k": 0, "v": 1 % spec.channels}
@@ -461,7 +556,41 @@ class Workload:
 
             return job
 
+        def sparse_load(step: int, layer: int, ntok: int, pages: list[int]) -> Any:
+            assert self.select is not None
+            page, reuse = self.select.select.page, self.select.select.reuse
+            jobs = []
+            for kind in ("k", "v"):
+                ch = ch_of[kind]
+                held = self._held.get((layer, kind), set())
+                partial = ntok // page               # the page not yet whole: kept for this step only
+                miss = [p for p in pages if p not in held or p >= partial]
+                self._held[(layer, kind)] = {p for p in pages if p < partial} if reuse else set()
+                runs = _runs(miss, page, ntok)
+                with self._ops_lock:
+                    trace.select_pages += len(pages) if kind == "k" else 0
+                    trace.select_read_pages += len(miss) if kind == "k" else 0
+                    trace.select_all_pages += -(-ntok // page) if kind == "k" else 0
+                nread = sum(n for _, n in runs)
+
+                def rd(kind: str = kind, ch: int = ch, runs: list[tuple[int, int]] = runs) -> Any:
+                    if not runs:
+                        return None
+                    rec = self._io_runs(trace, step, layer, kind, ch, runs)
+                    self._verify(trace, ch, layer, kind, 0, {runs[0][0], runs[-1][0] + runs[-1][1] - 1})
+                    return rec
+
+                def dm(ch: int = ch, nread: int = nread) -> None:
+                    self._codec(nread, quantize=False)
+                    self._dma(ch, nread, to_gpu=True)
+
+                jobs.append(LoadJob(read=rd, dma=dm, nbytes=nread * spec.token_bytes))
+            return pipe.load(jobs, self.target.group(layer, "k"))
+
         def load(step: int, layer: int, ntok: int) -> Any:
+            pages = self.select.pages(layer, ntok) if self.select is not None else None
+            if pages is not None:
+                return sparse_load(step, layer, ntok, pages)
             jobs = []
             for kind in ("k", "v"):
                 ch = ch_of[kind]
@@ -511,12 +640,19 @@ class Workload:
                 for layer in range(L):
                     cur = pending
                     cur.result()
+                    sparse_next = False
                     if layer + 1 < L:
-                        pending = load(i, layer + 1, pos)   # layer-ahead prefetch (I/O-compute overlap)
+                        # layer-ahead prefetch (I/O-compute overlap); a selecting layer's pages are known only
+                        # from its own query, so its load starts after the layer before it has computed
+                        sparse_next = self.select is not None and self.select.pages(layer + 1, pos) is not None
+                        if not sparse_next:
+                            pending = load(i, layer + 1, pos)
                     if spec.compute_ms:
                         time.sleep(spec.compute_ms / 1e3)
                     for kind in ("k", "v"):
                         writes.append(pool.submit(ch_of[kind], write_job(i, layer, kind, pos, 1)))
+                    if layer + 1 < L and sparse_next:
+                        pending = load(i, layer + 1, pos)
                 pipe.end_iteration()
                 if i == spec.gen_len - 1:
                     for f in writes:
@@ -544,5 +680,5 @@ class Workload:
         return trace
 
 
-__all__ = ["CONFIGS", "LABELS", "BenchDaemon", "BladedTarget", "KVTarget", "OpRecord", "RunTrace",
+__all__ = ["CONFIGS", "LABELS", "BenchDaemon", "BladedTarget", "KVTarget", "OpRecord", "RunTrace", "SelectTrace",
            "TorchDiskTarget", "Workload", "WorkloadSpec"]
