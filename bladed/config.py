@@ -79,15 +79,17 @@ class DeviceConfig:
 
 
 #: where Dual-Blade's page-cache KPUs (Group 1) live: ``memory`` files the kernel never writes back (live demotion
-#: is their eviction), or ``disk`` files in ``pagecache.directory`` (the kernel's writeback and reclaim)
-PAGECACHE_BACKINGS = ("memory", "disk")
+#: is their eviction), ``disk`` files in ``pagecache.directory`` (the kernel's writeback and reclaim), or ``auto``:
+#: memory where live demotion can evict them (``budget.live_replan = true``), disk otherwise
+PAGECACHE_BACKINGS = ("auto", "memory", "disk")
 
 
 @dataclass
 class PageCacheConfig:
     directory: str = "pagecache"
-    #: Dual-Blade's Group 1: "memory" (PAGECACHE_BACKINGS); the other modes' page cache is always on disk
-    backing: str = "memory"
+    #: Dual-Blade's Group 1: one of PAGECACHE_BACKINGS (``Config.group1_backing`` resolves "auto"); the other
+    #: modes' page cache is always on disk
+    backing: str = "auto"
 
 
 @dataclass
@@ -237,6 +239,14 @@ class Config:
     @property
     def socket_path(self) -> str:
         return self.resolve(self.socket.path)
+
+    @property
+    def group1_backing(self) -> str:
+        """Where Dual-Blade's Group 1 lives, ``"memory"`` or ``"disk"``: ``pagecache.backing``, with ``"auto"``
+        resolved (memory files only where live demotion, their one eviction, runs)."""
+        if self.pagecache.backing == "auto":
+            return "memory" if self.budget.live_replan else "disk"
+        return self.pagecache.backing
 
     @property
     def metrics_target(self) -> tuple[str, str | tuple[str, int]]:
@@ -470,10 +480,11 @@ def validate(cfg: Config) -> list[str]:
     if not cfg.pagecache.directory:
         p.append("pagecache.directory: must not be empty")
     if cfg.pagecache.backing not in PAGECACHE_BACKINGS:
-        p.append(f"pagecache.backing: must be \"memory\" or \"disk\", got {cfg.pagecache.backing!r}")
+        p.append(f"pagecache.backing: must be \"auto\", \"memory\" or \"disk\", got {cfg.pagecache.backing!r}")
     elif cfg.pagecache.backing == "memory" and not cfg.budget.live_replan:
+        # only the explicit pair contradicts itself: "auto" (the default) resolves to disk here
         p.append("pagecache.backing: \"memory\" files are evicted by live demotion only, which budget.live_replan = "
-                 "false turns off; set pagecache.backing = \"disk\" or budget.live_replan = true")
+                 "false turns off; set pagecache.backing = \"auto\" or \"disk\", or budget.live_replan = true")
     b = cfg.budget
     if b.interval_s <= 0:
         p.append(f"budget.interval_s: must be positive, got {b.interval_s}")

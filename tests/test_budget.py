@@ -26,6 +26,11 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+def kernel_usage(cg: ChildCgroup) -> int:
+    """Everything charged to a cgroup, as the kernel counts it."""
+    return int(pathlib.Path(cg.path, "memory.usage_in_bytes" if cg.version == "v1" else "memory.current").read_text())
+
+
 def kernel_anon_shmem(cg: ChildCgroup) -> tuple[int, int]:
     """(anon, shmem) of a cgroup as its memory.stat says (hierarchical totals)."""
     s = read_stat(cg.path)
@@ -76,7 +81,12 @@ def test_terms_match_the_kernel_files(loaded_cgroup: Any) -> None:
     assert (b.anon_bytes, b.shmem_bytes) == (anon, shmem)
     assert b.anon_shmem_bytes == anon + shmem
     assert shmem >= 32 * MiB and anon >= 48 * MiB          # what the worker really holds
-    assert b.usable_bytes == min(b.host_available_bytes, 256 * MiB - anon - shmem)      # Eq. 1
+    # Eq. 1: the rest of what the kernel charged (slab, page tables, ...) is not the KV's either
+    usage = kernel_usage(cg)
+    s = read_stat(cg.path)
+    file = s["total_cache"] - s["total_shmem"] if cg.version == "v1" else s["file"] - s["shmem"]
+    assert abs(b.charged_kernel_bytes - (usage - anon - shmem - file)) <= MiB
+    assert b.usable_bytes == min(b.host_available_bytes, 256 * MiB - anon - shmem - b.charged_kernel_bytes)
     assert b.binding == "cgroup"                                                        # 24 GiB host, 256 MiB limit
     assert b.pinned_bytes == 2 * 8 * MiB                                               # N_threads * M_pin; Eq. 2 below
     # the new session's staging is not touched yet: the worker's 32 MiB of shmem is not it
@@ -112,7 +122,7 @@ def test_mapped_files_stay_resident_and_bladed_kv_does_not(loaded_cgroup: Any, t
     assert mapped >= 24 * MiB + 32 * MiB          # the file and the worker's shmem, which the kernel counts too
     assert plain.file_mapped_bytes == mapped and plain.own_kv_bytes == 0
     assert plain.mapped_bytes == mapped - shmem >= 24 * MiB
-    assert plain.usable_bytes == 256 * MiB - anon - shmem - plain.mapped_bytes
+    assert plain.usable_bytes == 256 * MiB - anon - shmem - plain.charged_kernel_bytes - plain.mapped_bytes
     # the same pages taken for bladed's KV (what the daemon measures of its own files): nothing is kept
     ours = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, pid=w.pid, own_kv_bytes=lambda: 24 * MiB).sample()
     assert ours.own_kv_bytes == 24 * MiB and ours.mapped_bytes == max(0, mapped - shmem - 24 * MiB) < 4 * MiB
@@ -127,7 +137,8 @@ def test_headroom_keeps_part_of_the_limit_free(loaded_cgroup: Any) -> None:
     assert (full.free_bytes, full.headroom) == (0, 0.0)
     assert kept.free_bytes == int(0.05 * 256 * MiB) and kept.headroom == 0.05
     assert full.pagecache_budget_bytes - kept.pagecache_budget_bytes == kept.free_bytes + \
-        (kept.anon_shmem_bytes - full.anon_shmem_bytes) + (kept.mapped_bytes - full.mapped_bytes)
+        (kept.anon_shmem_bytes - full.anon_shmem_bytes) + (kept.mapped_bytes - full.mapped_bytes) + \
+        (kept.charged_kernel_bytes - full.charged_kernel_bytes)
     assert "M_free=13)" in kept.describe()          # 12.8 MiB
 
 
@@ -144,28 +155,58 @@ def test_budget_follows_a_changed_limit(loaded_cgroup: Any) -> None:
     anon, shmem = kernel_anon_shmem(cg)
     assert second.memory_limit_bytes == 192 * MiB
     assert second.pinned_uncharged_bytes == 48 * MiB - shmem
-    assert second.pagecache_budget_bytes == 192 * MiB - anon - shmem - (48 * MiB - shmem)
+    assert second.pagecache_budget_bytes == \
+        192 * MiB - anon - shmem - second.charged_kernel_bytes - (48 * MiB - shmem)
     assert first.pagecache_budget_bytes - second.pagecache_budget_bytes == \
         64 * MiB + (second.anon_shmem_bytes - first.anon_shmem_bytes) \
+        + (second.charged_kernel_bytes - first.charged_kernel_bytes) \
         + (second.pinned_uncharged_bytes - first.pinned_uncharged_bytes)
     cg.set_limit(80 * MiB + 16 * MiB)          # at or below anon+shmem+staging: nothing left for the cache
     assert budgeter.sample().pagecache_budget_bytes == 0
 
 
 @pytest.mark.root
-def test_smallest_ancestor_limit_wins(loaded_cgroup: Any) -> None:
-    cg, w = loaded_cgroup
+def test_the_cgroup_with_the_least_room_binds(loaded_cgroup: Any) -> None:
+    cg, w = loaded_cgroup                      # 256 MiB, the worker's 80 MiB charged there
     if cg.version == "v2":
         cg.release(w.pid)                      # v2 lets no process live in a cgroup that gives children memory
     inner = ChildCgroup(parent=cg)             # no limit of its own
-    inner.add(w.pid)
+    inner.add(w.pid)                           # its charges stay with the parent (the kernel does not move them)
     b = Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample()
-    assert b.cgroup == inner.path
+    assert b.cgroup == inner.path and b.binding_cgroup == cg.path
     assert b.memory_limit_bytes == 256 * MiB and b.memory_limit_source.startswith(cg.path)
     inner.set_limit(512 * MiB)                 # looser than the parent: still the parent's
-    assert Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample().memory_limit_bytes == 256 * MiB
+    b = Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample()
+    assert (b.binding_cgroup, b.memory_limit_bytes) == (cg.path, 256 * MiB)
+    assert [d["path"] for d in b.limits] == [inner.path, cg.path]
+    # a smaller limit, but more room than the parent leaves: the parent still binds
     inner.set_limit(200 * MiB)
-    assert Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample().memory_limit_bytes == 200 * MiB
+    b = Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample()
+    assert b.binding_cgroup == cg.path and b.memory_limit_bytes == 256 * MiB
+    inner.set_limit(150 * MiB)                 # 150 MiB with nothing charged against the parent's 256 - 80
+    b = Budgeter(copy_threads=1, pinned_per_thread_bytes=0, pid=w.pid).sample()
+    assert (b.binding_cgroup, b.memory_limit_bytes) == (inner.path, 150 * MiB)
+    assert b.usable_bytes == min(d["room_bytes"] for d in b.limits)
+
+
+@pytest.mark.root
+def test_a_siblings_memory_counts_against_the_limit_they_share() -> None:
+    """The limit is on the parent (a pod, a slice); the daemon's cgroup and a neighbour's are its children. What
+    the neighbour takes comes off the daemon's budget, although none of it is charged to the daemon's cgroup."""
+    with ChildCgroup(256 * MiB) as parent:
+        mine, theirs = ChildCgroup(parent=parent), ChildCgroup(parent=parent)
+        with Worker(mine) as me, Worker(theirs) as neighbour:
+            before = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, pid=me.pid).sample()
+            neighbour.call("anon", nbytes=96 * MiB)
+            after = Budgeter(copy_threads=0, pinned_per_thread_bytes=0, pid=me.pid).sample()
+        assert (after.cgroup, after.binding_cgroup) == (mine.path, parent.path)
+        assert after.memory_limit_bytes == 256 * MiB and after.limited
+        # the parent's figures count the sibling: 96 MiB less for the KV
+        assert after.anon_shmem_bytes - before.anon_shmem_bytes >= 96 * MiB
+        assert before.pagecache_budget_bytes - after.pagecache_budget_bytes >= 96 * MiB
+        # the daemon's own cgroup does not (what the budget ignored before issue 46)
+        assert after.anon_bytes - before.anon_bytes < 8 * MiB
+        assert "bound by " + parent.path in after.describe()
 
 
 @pytest.mark.root

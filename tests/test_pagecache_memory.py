@@ -118,12 +118,29 @@ def test_disk_backing_keeps_group1_in_the_pagecache_directory(tmp: str) -> None:
 
 
 def test_memory_backing_without_live_replanning_is_refused_in_one_line(tmp: str) -> None:
+    """Only the explicit contradiction is an error: memory files need live demotion, their one eviction."""
     cfg = write_config(os.path.join(tmp, "b.toml"), f'[daemon]\nstate_dir = "{tmp}/state"\n'
+                                                    '[pagecache]\nbacking = "memory"\n'
                                                     '[budget]\nlive_replan = false\n')
     r = bladed("-c", cfg, "--check-config")
     assert r.returncode == 2
     line = one_line(r)
-    assert "pagecache.backing" in line and 'set pagecache.backing = "disk" or budget.live_replan = true' in line
+    assert "pagecache.backing" in line and 'set pagecache.backing = "auto" or "disk", or budget.live_replan = true' \
+        in line
+
+
+def test_a_config_without_live_replanning_starts_with_group1_on_disk(tmp: str) -> None:
+    """An upgrade: ``budget.live_replan = false`` (a documented key) with the default backing starts, says once why
+    Group 1 is on disk, and puts it there."""
+    with DaemonProcess(tmp, {"budget": {"live_replan": False}}).start() as d, Client(d.socket_path) as c:
+        assert d.wait_event("daemon_start")["group1_backing"] == "disk"
+        said = [ln for ln in d.lines_after(None) if "budget.live_replan = false turns off live demotion" in ln]
+        assert len(said) == 1 and "pagecache.backing" in said[0]
+        (m,) = open_models(c, [SMALL])
+        assert pc_files(tmp) == {f"{kind}{layer}" for layer in range(SMALL["layers"]) for kind in "kv"}
+        assert memfds(d.pid) == [] and set(m.check().values()) == {"pagecache"}
+        m.sess.close()
+        assert d.stop() == 0
 
 
 # -- the drive ------------------------------------------------------------------------------------------

@@ -67,13 +67,10 @@ import psutil
 
 from bladed.logfmt import fields
 from bladed.residency.cgroups import CgroupInfo, cgroup_from_path, locate_memory_cgroup, read_memory
+from bladed.residency.watch import RECLAIM_GAP_S, MemoryWatch, thresholds
 
 log = logging.getLogger(__name__)
 
-# 200 ms of stall within any 2 s window.  Without CAP_SYS_RESOURCE the kernel only accepts
-# windows that are multiples of 2 s (EINVAL otherwise), so 2 s works for every daemon.
-_PSI_TRIGGER = b"some 200000 2000000\x00"
-_MIN_GAP_S = 0.2                               # pressure events closer than this share one sample
 
 
 # -- the breakdown -------------------------------------------------------------------
@@ -117,6 +114,17 @@ class BudgetBreakdown:
     own_kv_memory_bytes: int = 0     # M_kv,mem: bladed's own KV in memory files (shmem: Group 1 in memory)
     headroom: float = 0.0            # the fraction of a cgroup's limit kept free
     free_bytes: int = 0              # M_free (Eq. 1 as bladed computes it): headroom * M_max where a cgroup limits
+    #: the limited cgroup whose side of Eq. 1 is the smallest ("" where none limits): M_max, M_anon+shmem,
+    #: M_mapped and M_free above are its figures, descendants (the daemon's siblings) included
+    binding_cgroup: str = ""
+    #: every limited cgroup from the charged one up: path, limit_bytes, limit_source, usage_bytes,
+    #: anon_shmem_bytes, kernel_bytes, mapped_bytes, free_bytes and room_bytes (its side of Eq. 1)
+    limits: tuple[dict[str, Any], ...] = ()
+    #: M_kernel (Eq. 1 as bladed computes it): the binding cgroup's charges that are neither anon, shmem nor page
+    #: cache (slab, page tables, stacks), less the share Eq. 2's k_kernel already counts for bladed's disk files
+    charged_kernel_bytes: int = 0
+    #: the time.monotonic() of the kernel event that triggered the sample (0: none); not on the wire
+    event_at: float = field(default=0.0, compare=False)
 
     @property
     def pinned_bytes(self) -> int:
@@ -124,7 +132,9 @@ class BudgetBreakdown:
         return self.copy_threads * self.pinned_per_thread_bytes + self.pinned_elsewhere_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"pinned_bytes": self.pinned_bytes}
+        d = asdict(self) | {"pinned_bytes": self.pinned_bytes}
+        d.pop("event_at")
+        return d
 
     def with_staging(self, copy_threads: int, pinned_per_thread_bytes: int,
                      pinned_elsewhere_bytes: int) -> BudgetBreakdown:
@@ -148,9 +158,11 @@ class BudgetBreakdown:
         return (f"B_pc={self.pagecache_budget_bytes / mib:.0f} MiB{extra} = max(0, M*={self.usable_bytes / mib:.0f} - "
                 f"uncharged staging {self.pinned_uncharged_bytes / mib:.0f}) / {1 + self.kernel_overhead:g} ; "
                 f"M* = min(M_avail={self.host_available_bytes / mib:.0f}, M_max={self.memory_limit_bytes / mib:.0f} - "
-                f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f} - M_mapped={self.mapped_bytes / mib:.0f} - "
+                f"M_anon+shmem={self.anon_shmem_bytes / mib:.0f} - M_kernel={self.charged_kernel_bytes / mib:.0f} - "
+                f"M_mapped={self.mapped_bytes / mib:.0f} - "
                 f"M_free={self.free_bytes / mib:.0f}) MiB "
-                f"[{self.cgroup_version} {self.cgroup or 'host'}]")
+                f"[{self.cgroup_version} {self.cgroup or 'host'}"
+                f"{'' if self.binding_cgroup in ('', self.cgroup) else f'; bound by {self.binding_cgroup}'}]")
 
 
 def _eq2(usable: int, shmem: int, copy_threads: int, pinned_per_thread: int, pinned_elsewhere: int,
@@ -167,14 +179,6 @@ def _eq2(usable: int, shmem: int, copy_threads: int, pinned_per_thread: int, pin
 
 
 SampleCallback = Callable[[BudgetBreakdown], object]
-
-
-@dataclass
-class _Source:
-    name: str
-    fd: int
-    events: int
-    close_fds: list[int] = field(default_factory=list)
 
 
 class Budgeter:
@@ -198,7 +202,7 @@ class Budgeter:
                  cap_bytes: int | None = None, cgroup_path: str | None = None, pid: int | None = None, *,
                  proc_root: str = "/proc", mem_available: Callable[[], int] | None = None,
                  mem_total: Callable[[], int] | None = None, hysteresis_bytes: int = 32 << 20,
-                 pressure_level: str = "medium", pinned_elsewhere_bytes: int = 0,
+                 pressure_level: str = "low", pinned_elsewhere_bytes: int = 0,
                  kernel_overhead: float = 0.0, own_kv_bytes: Callable[[], int] | None = None,
                  headroom: float = 0.0, own_kv_memory_bytes: Callable[[], int] | None = None) -> None:
         if copy_threads < 0 or pinned_per_thread_bytes < 0 or pinned_elsewhere_bytes < 0:
@@ -233,8 +237,9 @@ class Budgeter:
         self._last: BudgetBreakdown | None = None
         self._thread: threading.Thread | None = None
         self._stop_r = self._stop_w = -1
-        self.sources: list[str] = []
-        self.stats = {"samples": 0, "periodic": 0, "pressure": 0, "changes": 0}
+        self._watch: MemoryWatch | None = None
+        self._located: CgroupInfo | None = None
+        self.stats = {"samples": 0, "periodic": 0, "pressure": 0, "threshold": 0, "changes": 0}
         self.locate()      # fail early on a bad path or pid
 
     # -- sampling --------------------------------------------------------------
@@ -243,22 +248,47 @@ class Budgeter:
             return cgroup_from_path(self.cgroup_path, self.proc_root)
         return locate_memory_cgroup(self.pid, self.proc_root)
 
-    def sample(self, reason: str = "manual") -> BudgetBreakdown:
-        """Read the kernel's figures now and compute Eq. 1-2."""
-        info = self.locate()
+    def sample(self, reason: str = "manual", *, relocate: bool = True, event_at: float = 0.0) -> BudgetBreakdown:
+        """Read the kernel's figures now and compute Eq. 1-2 (``relocate=False``: in the cgroup found last;
+        ``event_at``: the ``time.monotonic()`` of the kernel event that asked for the sample)."""
+        info = self._located if (not relocate and self._located is not None) else self.locate()
+        self._located = info
         reading = read_memory(info, self.proc_root)
         # after the cgroup's figures: KV pages mapped in between count as ours, never as the processes' own
         own_kv = max(0, self.own_kv_bytes()) if self.own_kv_bytes is not None else 0
         # the KV's own memory files are shmem of the cgroup (at most all of it) and not in MemAvailable
-        own_mem = min(reading.shmem, max(0, self.own_kv_memory_bytes())) if self.own_kv_memory_bytes else 0
+        own_mem_now = max(0, self.own_kv_memory_bytes()) if self.own_kv_memory_bytes else 0
+        own_mem = min(reading.shmem, own_mem_now)
         m_avail = self._mem_available() + own_mem
         mem_total = self._mem_total()
-        limited = reading.limit is not None and reading.limit < mem_total
-        m_max = reading.limit if (reading.limit is not None and limited) else mem_total
-        m_anon_shmem = reading.anon + reading.shmem - own_mem
-        m_mapped = max(0, reading.mapped - reading.shmem - own_kv)
-        m_free = int(self.headroom * m_max) if limited else 0
-        cg_side = m_max - m_anon_shmem - m_mapped - m_free
+        # Eq. 1 for every limited cgroup from ours up: each counts its descendants (our siblings too), and the
+        # smallest side binds; bladed's own KV is charged to each of them and given back to each
+        limits: list[dict[str, Any]] = []
+        for lc in reading.limits:
+            if lc.limit >= mem_total:
+                continue
+            mine = min(lc.shmem, own_mem_now)
+            anon_shmem = lc.anon + lc.shmem - mine
+            mapped = max(0, lc.mapped - lc.shmem - own_kv)
+            # the rest of what is charged (slab, page tables, stacks, sockets) is not the KV's to take either;
+            # the page cache's own share of it (k_kernel of bladed's disk files) is Eq. 2's
+            kernel = max(0, lc.usage - lc.anon - lc.shmem - lc.file - int(self.kernel_overhead * own_kv))
+            free = int(self.headroom * lc.limit)
+            limits.append({"path": lc.path, "limit_bytes": lc.limit, "limit_source": lc.limit_source,
+                           "usage_bytes": lc.usage, "usage_file": lc.usage_file, "anon_shmem_bytes": anon_shmem,
+                           "kernel_bytes": kernel, "mapped_bytes": mapped, "free_bytes": free,
+                           "room_bytes": lc.limit - anon_shmem - kernel - mapped - free})
+        binding = min(limits, key=lambda d: int(d["room_bytes"])) if limits else None
+        limited = binding is not None
+        if binding is not None:
+            m_max, m_anon_shmem = int(binding["limit_bytes"]), int(binding["anon_shmem_bytes"])
+            m_mapped, m_free = int(binding["mapped_bytes"]), int(binding["free_bytes"])
+            m_kernel = int(binding["kernel_bytes"])
+            cg_side = int(binding["room_bytes"])
+        else:
+            m_max, m_anon_shmem = mem_total, reading.anon + reading.shmem - own_mem
+            m_mapped, m_free, m_kernel = max(0, reading.mapped - reading.shmem - own_kv), 0, 0
+            cg_side = m_max - m_anon_shmem - m_mapped
         m_star = min(m_avail, cg_side)                                     # Eq. 1
         uncharged, computed, b_pc = _eq2(m_star, reading.shmem - own_mem, self.copy_threads,
                                          self.pinned_per_thread_bytes,
@@ -271,11 +301,14 @@ class Budgeter:
             override_bytes=self.override_bytes, cap_bytes=self.cap_bytes, sampled_at=time.time(),
             pagecache_budget_computed_bytes=computed, anon_bytes=reading.anon, shmem_bytes=reading.shmem,
             file_bytes=reading.file, kernel_bytes=reading.kernel, host_total_bytes=mem_total, limited=limited,
-            memory_limit_source=reading.limit_source if limited else "host MemTotal",
+            memory_limit_source=str(binding["limit_source"]) if binding is not None else "host MemTotal",
             binding="host_available" if m_avail <= cg_side else "cgroup", reason=reason,
             pinned_elsewhere_bytes=self.pinned_elsewhere_bytes, pinned_uncharged_bytes=uncharged,
             kernel_overhead=self.kernel_overhead, mapped_bytes=m_mapped, file_mapped_bytes=reading.mapped,
             own_kv_bytes=own_kv, own_kv_memory_bytes=own_mem, headroom=self.headroom, free_bytes=m_free,
+            binding_cgroup=str(binding["path"]) if binding is not None else "", limits=tuple(limits),
+            charged_kernel_bytes=m_kernel,
+            event_at=event_at,
         )
         with self._lock:
             self._last = b
@@ -296,27 +329,43 @@ class Budgeter:
     # -- the re-sampling thread ------------------------------------------------------
     def start(self, interval_s: float = 5.0, on_change: SampleCallback | None = None, *,
               on_sample: SampleCallback | None = None, held_bytes: Callable[[], int] | None = None) -> None:
-        """Re-sample every ``interval_s`` and at once on memory pressure.
+        """Re-sample every ``interval_s`` and at once on the kernel's memory events (:mod:`bladed.residency.watch`:
+        usage thresholds of the limited cgroups, reclaim and PSI events).
 
         ``on_change`` runs (in the thread) when ``B_pc`` moved by at least
         ``hysteresis_bytes`` since the last reported value, or fell below
         ``held_bytes()`` (what the live sessions hold: a shrink smaller than the
         hysteresis that leaves them over the budget is acted on too, or KV in
         memory files, which the kernel cannot reclaim, would meet the OOM killer
-        first); ``on_sample`` after every sample.
+        first); ``on_sample`` after every sample.  The watch's thresholds sit
+        where ``B_pc`` would fall below ``held_bytes()``, re-armed after each sample.
         """
         if self._thread is not None:
             raise RuntimeError("budgeter already started")
         if interval_s <= 0:
             raise ValueError(f"interval must be positive, got {interval_s}")
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        srcs = self._arm_sources()
-        self.sources = [s.name for s in srcs]
+        info = self.locate()
+        watch = MemoryWatch(info.version, self.pressure_level, os.path.join(self.proc_root, "pressure", "memory"))
         first = self.sample("start")
+        self._arm(watch, first, held_bytes)
+        self._watch = watch
         self._thread = threading.Thread(target=self._run,
-                                        args=(interval_s, on_change, on_sample, srcs, first, held_bytes),
+                                        args=(interval_s, on_change, on_sample, watch, first, held_bytes),
                                         name="bladed-budget", daemon=True)
         self._thread.start()
+
+    @property
+    def sources(self) -> list[str]:
+        """The armed event sources (``psi:PATH``, ``v1-threshold:PATH``, ``poll:PATH``, ...)."""
+        w = self._watch
+        return w.names() if w is not None else []
+
+    @property
+    def watch_stats(self) -> dict[str, int]:
+        """Events seen by kind (threshold, reclaim, psi, poll)."""
+        w = self._watch
+        return dict(w.stats) if w is not None else {}
 
     def stop(self) -> None:
         """Stop the thread (idempotent)."""
@@ -338,96 +387,66 @@ class Budgeter:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _arm_sources(self) -> list[_Source]:
-        out: list[_Source] = []
+    def _arm(self, watch: MemoryWatch, b: BudgetBreakdown, held_bytes: Callable[[], int] | None) -> None:
+        held = held_bytes() if held_bytes is not None else 0
         try:
-            info = self.locate()
+            watch.arm(thresholds(b.limits, held, b.pinned_uncharged_bytes, b.kernel_overhead, b.host_available_bytes,
+                                 b.override_bytes is not None))
         except OSError as e:
-            log.warning("budget: cannot locate the memory cgroup for pressure events: %s", e)
-            return out
-        psi_files = [info.pressure_file] if info.pressure_file else []
-        host_psi = os.path.join(self.proc_root, "pressure", "memory")
-        if psi_files and psi_files[0] != host_psi and os.path.exists(host_psi):
-            # a service user cannot write a trigger to its unit's cgroup file (root's, and read-only
-            # under ProtectControlGroups=): the host's memory pressure includes the cgroup's
-            psi_files.append(host_psi)
-        for path in psi_files:
-            src = self._arm_psi(path)
-            if src is not None:
-                out.append(src)
-                break
-        else:
-            if psi_files:
-                log.info("budget: no PSI trigger could be armed; periodic sampling only")
-        if info.version == "v1":
-            efd = pfd = -1
-            try:
-                efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-                pfd = os.open(os.path.join(info.path, "memory.pressure_level"), os.O_RDONLY | os.O_CLOEXEC)
-                with open(os.path.join(info.path, "cgroup.event_control"), "w") as f:
-                    f.write(f"{efd} {pfd} {self.pressure_level}")
-                out.append(_Source(f"v1-pressure-level:{self.pressure_level}:{info.path}", efd, select.POLLIN,
-                                   [efd, pfd]))
-            except OSError as e:
-                for fd in (efd, pfd):
-                    if fd >= 0:
-                        os.close(fd)
-                log.info("budget: no v1 memory.pressure_level events for %s (%s)", info.path, e)
-        return out
-
-    @staticmethod
-    def _arm_psi(path: str) -> _Source | None:
-        """A PSI trigger on ``path``, or None (logged) where the kernel or the file's mode refuses one."""
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            log.info("budget: no PSI trigger on %s (%s)", path, e)
-            return None
-        try:
-            os.write(fd, _PSI_TRIGGER)
-        except OSError as e:
-            os.close(fd)
-            log.info("budget: PSI trigger refused by %s (%s)", path, e)
-            return None
-        return _Source(f"psi:{path}", fd, select.POLLPRI, [fd])
+            log.warning("budget: cannot arm the memory watch: %s", e)
 
     def _run(self, interval_s: float, on_change: SampleCallback | None, on_sample: SampleCallback | None,
-             srcs: list[_Source], first: BudgetBreakdown, held_bytes: Callable[[], int] | None) -> None:
-        poller = select.poll()
-        poller.register(self._stop_r, select.POLLIN)
-        by_fd = {}
-        for s in srcs:
-            poller.register(s.fd, s.events)
-            by_fd[s.fd] = s
+             watch: MemoryWatch, first: BudgetBreakdown, held_bytes: Callable[[], int] | None) -> None:
         reported = first.pagecache_budget_bytes
         last_sample = time.monotonic()
         next_due = last_sample + interval_s
+        reclaim_pending = False
         try:
             while True:
-                timeout = max(0.0, next_due - time.monotonic())
-                events = poller.poll(timeout * 1000)
+                now = time.monotonic()
+                timeout = next_due - now
+                poll_in = watch.timeout_s(now)
+                if poll_in is not None:
+                    timeout = min(timeout, poll_in)
+                if reclaim_pending:
+                    timeout = min(timeout, last_sample + RECLAIM_GAP_S - now)
+                poller = select.poll()
+                poller.register(self._stop_r, select.POLLIN)
+                by_fd = {}
+                for armed in watch.sources():
+                    poller.register(armed.fd, armed.events)
+                    by_fd[armed.fd] = armed
+                events = poller.poll(max(0.0, timeout) * 1000)
                 if any(fd == self._stop_r for fd, _ in events):
                     return
-                reason = "periodic"
+                now = time.monotonic()
+                reason = ""
                 for fd, ev in events:
                     src = by_fd.get(fd)
                     if src is None:
                         continue
-                    if ev & (select.POLLERR | select.POLLNVAL | select.POLLHUP):
+                    if ev & (select.POLLERR | select.POLLNVAL | select.POLLHUP) and not ev & src.events:
                         log.info("budget: pressure source %s went away", src.name)
-                        poller.unregister(fd)
+                        watch.drop(src)
                         continue
-                    if src.events == select.POLLIN:
-                        with contextlib.suppress(BlockingIOError):
-                            os.eventfd_read(fd)
+                    kind = watch.fired(src)
+                    reason = "threshold" if kind == "threshold" or reason == "threshold" else "pressure"
+                if watch.poll_crossed(now):
+                    reason = "threshold"
+                if reason == "pressure" or (reclaim_pending and not reason):
+                    # reclaim goes on for as long as a cgroup is full of page cache: one sample per gap
+                    if now - last_sample < RECLAIM_GAP_S:
+                        reclaim_pending = True
+                        continue
                     reason = "pressure"
-                now = time.monotonic()
-                if reason == "periodic" and now < next_due:
-                    continue
-                if reason == "pressure" and now - last_sample < _MIN_GAP_S:
-                    continue
+                if not reason:
+                    if now < next_due:
+                        continue
+                    reason = "periodic"
+                reclaim_pending = False
                 try:
-                    b = self.sample(reason)
+                    # a periodic sample follows the daemon into another cgroup; an event's is for the one armed
+                    b = self.sample(reason, relocate=reason == "periodic", event_at=now)
                 except OSError as e:
                     log.warning("budget: sampling failed: %s", e)
                     next_due = time.monotonic() + interval_s
@@ -449,12 +468,14 @@ class Budgeter:
                                          host_available_bytes=b.host_available_bytes,
                                          memory_limit_bytes=b.memory_limit_bytes,
                                          anon_shmem_bytes=b.anon_shmem_bytes, pinned_bytes=b.pinned_bytes,
-                                         binding=b.binding, cgroup=f"{b.cgroup_version}:{b.cgroup or 'host'}"))
+                                         binding=b.binding, binding_cgroup=b.binding_cgroup or "host",
+                                         cgroup=f"{b.cgroup_version}:{b.cgroup or 'host'}"))
                     on_change(b)
+                self._arm(watch, b, held_bytes)
         except Exception:
             log.exception("budget thread failed")
         finally:
-            for s in srcs:
-                for fd in s.close_fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+            self._watch = None
+            watch.close()
+
+

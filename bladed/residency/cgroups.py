@@ -7,11 +7,16 @@ inputs of the page-cache budget (:mod:`bladed.residency.budget`, paper Eq. 1-2).
   hosts are handled: on a hybrid host ``/proc/<pid>/cgroup`` has both a
   ``N:memory:/path`` line (the v1 memory controller, which is what charges)
   and a ``0::/path`` line; the v1 line wins whenever it exists.
-* ``M_max`` is the smallest limit on the path from the cgroup up to the root
-  of its hierarchy: v2 ``memory.max`` and ``memory.high``; v1
-  ``hierarchical_memory_limit`` and every ancestor's ``memory.limit_in_bytes``.
+* Every *limited* cgroup on the path from the cgroup up to the root of its
+  hierarchy binds (:class:`LimitedCgroup`): its limit (v2 the lower of
+  ``memory.max`` and ``memory.high``; v1 ``memory.limit_in_bytes``) against its
+  own usage, which counts every descendant's (the daemon's siblings too: a
+  Kubernetes pod's other containers, a systemd slice's other units).  Eq. 1 is
+  applied to each (:mod:`bladed.residency.budget`).  A v1
+  ``hierarchical_memory_limit`` below every visible limit is an ancestor the
+  cgroup namespace hides; the topmost visible cgroup stands in for its usage.
   No limit means the host's MemTotal.
-* ``M_anon+shmem`` comes from the cgroup's ``memory.stat``: v2 ``anon + shmem``
+* ``M_anon+shmem`` comes from a cgroup's ``memory.stat``: v2 ``anon + shmem``
   (``file`` already includes ``shmem``), v1 ``total_rss + total_shmem``
   (``cache`` already includes ``shmem``; ``total_*`` covers descendants, as the
   limit does).  Where the cgroup has no ``memory.stat`` (v2 root, no memory
@@ -218,6 +223,22 @@ class _Node:
 
 
 @dataclass(frozen=True)
+class LimitedCgroup:
+    """One cgroup with a memory limit on the path up from the charged cgroup: its limit and what is charged to
+    it, descendants included (the figures Eq. 1 needs for it)."""
+
+    path: str
+    limit: int
+    limit_source: str            # the file that set the limit
+    usage: int                   # everything charged (v1 memory.usage_in_bytes, v2 memory.current)
+    anon: int
+    shmem: int
+    mapped: int                  # page cache mapped into processes, shmem included
+    file: int                    # page cache, shmem excluded
+    usage_file: str              # the file ``usage`` comes from (the watch's thresholds and polls)
+
+
+@dataclass(frozen=True)
 class MemoryReading:
     """Raw figures of one cgroup, as read from the kernel's files."""
 
@@ -228,24 +249,79 @@ class MemoryReading:
     file: int                    # page cache, shmem excluded
     kernel: int | None           # kernel memory charged to the cgroup, where reported
     mapped: int = 0              # page cache mapped into processes, shmem included (as the kernel counts it)
+    #: every limited cgroup from the charged one up (the charged one first where it has a limit of its own)
+    limits: tuple[LimitedCgroup, ...] = ()
+
+
+def _int_file(path: str) -> int | None:
+    text = _read(path)
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
+def _v1_figures(stat: dict[str, int]) -> tuple[int, int, int, int]:
+    """(anon, shmem, mapped, file) of a v1 ``memory.stat`` (hierarchical totals where present)."""
+    shmem = stat.get("total_shmem", stat.get("shmem", 0))
+    return (stat.get("total_rss", stat.get("rss", 0)), shmem,
+            stat.get("total_mapped_file", stat.get("mapped_file", 0)),
+            max(0, stat.get("total_cache", stat.get("cache", 0)) - shmem))
+
+
+def _limited(d: str, limit: int, source: str, usage_name: str, own: tuple[int, int, int, int],
+             figures: tuple[int, int, int, int] | None) -> LimitedCgroup:
+    """A limited cgroup's figures; where its files cannot be read (a mount that hides them), the charged
+    cgroup's stand in, so its limit still binds."""
+    anon, shmem, mapped, file = figures if figures is not None else own
+    usage_file = os.path.join(d, usage_name)
+    usage = _int_file(usage_file)
+    return LimitedCgroup(path=d, limit=limit, limit_source=source,
+                         usage=usage if usage is not None else anon + shmem + file,
+                         anon=anon, shmem=shmem, mapped=mapped, file=file, usage_file=usage_file)
+
+
+def _v1_stat_of(d: str) -> tuple[int, int, int, int] | None:
+    text = _read(os.path.join(d, "memory.stat"))
+    return _v1_figures(_parse_stat(text)) if text is not None else None
+
+
+def _v2_figures(stat: dict[str, int]) -> tuple[int, int, int, int]:
+    """(anon, shmem, mapped, file) of a v2 ``memory.stat`` (``file`` there includes shmem)."""
+    shmem = stat.get("shmem", 0)
+    return stat.get("anon", 0), shmem, stat.get("file_mapped", 0), max(0, stat.get("file", 0) - shmem)
 
 
 def read_v1(info: CgroupInfo) -> MemoryReading:
-    """v1 figures through cgroupspy's memory controller."""
+    """v1 figures through cgroupspy's memory controller, and every limited ancestor's."""
     ctl = MemoryController(_Node(info.path))
     stat: dict[str, int] = ctl.stat
     limit: int | None = None
     source = ""
-    hier = stat.get("hierarchical_memory_limit")
-    if hier is not None and hier < _UNLIMITED:
-        limit, source = hier, os.path.join(info.path, "memory.stat:hierarchical_memory_limit")
-    for d in info.ancestors():
+    limits: list[LimitedCgroup] = []
+    own = _v1_figures(stat)
+    ancestors = info.ancestors()
+    for d in ancestors:
         try:
             v = MemoryController(_Node(d)).limit_in_bytes
         except OSError:
             continue
-        if v is not None and 0 <= v < _UNLIMITED and (limit is None or v < limit):
+        if v is None or not 0 <= v < _UNLIMITED:
+            continue
+        limits.append(_limited(d, v, os.path.join(d, "memory.limit_in_bytes"), "memory.usage_in_bytes", own,
+                               own if d == info.path else _v1_stat_of(d)))
+        if limit is None or v < limit:
             limit, source = v, os.path.join(d, "memory.limit_in_bytes")
+    hier = stat.get("hierarchical_memory_limit")
+    if hier is not None and hier < _UNLIMITED and (limit is None or hier < limit):
+        # a limit above what this mount shows (a container's cgroup namespace): its usage is at least the topmost
+        # visible cgroup's, which stands in for it
+        limit, source = hier, os.path.join(info.path, "memory.stat:hierarchical_memory_limit")
+        top = ancestors[-1] if ancestors else info.path
+        limits.append(_limited(top, hier, source, "memory.usage_in_bytes", own,
+                               own if top == info.path else _v1_stat_of(top)))
     kernel = None
     kmem = _read(os.path.join(info.path, "memory.kmem.usage_in_bytes"))
     if kmem is not None:
@@ -256,26 +332,38 @@ def read_v1(info: CgroupInfo) -> MemoryReading:
     cache = stat.get("total_cache", stat.get("cache", 0))
     return MemoryReading(limit=limit, limit_source=source, anon=anon, shmem=shmem,
                          file=max(0, cache - shmem), kernel=kernel,
-                         mapped=stat.get("total_mapped_file", stat.get("mapped_file", 0)))
+                         mapped=stat.get("total_mapped_file", stat.get("mapped_file", 0)), limits=tuple(limits))
 
 
 def read_v2(info: CgroupInfo) -> MemoryReading | None:
-    """v2 figures, read directly; None where the cgroup has no ``memory.stat`` (the root)."""
-    limit: int | None = None
-    source = ""
-    for d in info.ancestors():
-        for name in ("memory.max", "memory.high"):
-            v = _parse_limit(_read(os.path.join(d, name)))
-            if v is not None and (limit is None or v < limit):
-                limit, source = v, os.path.join(d, name)
+    """v2 figures, read directly, and every limited ancestor's; None where the cgroup has no ``memory.stat``
+    (the root)."""
     text = _read(os.path.join(info.path, "memory.stat"))
     if text is None:
         return None
     stat = _parse_stat(text)
+    mine = _v2_figures(stat)
+    limit: int | None = None
+    source = ""
+    limits: list[LimitedCgroup] = []
+    for d in info.ancestors():
+        own: int | None = None
+        own_source = ""
+        for name in ("memory.max", "memory.high"):
+            v = _parse_limit(_read(os.path.join(d, name)))
+            if v is not None and (own is None or v < own):
+                own, own_source = v, os.path.join(d, name)
+        if own is None:
+            continue
+        if limit is None or own < limit:
+            limit, source = own, own_source
+        text = None if d == info.path else _read(os.path.join(d, "memory.stat"))
+        limits.append(_limited(d, own, own_source, "memory.current", mine,
+                               mine if d == info.path else (_v2_figures(_parse_stat(text)) if text else None)))
     shmem = stat.get("shmem", 0)
     return MemoryReading(limit=limit, limit_source=source, anon=stat.get("anon", 0), shmem=shmem,
                          file=max(0, stat.get("file", 0) - shmem), kernel=stat.get("kernel"),
-                         mapped=stat.get("file_mapped", 0))
+                         mapped=stat.get("file_mapped", 0), limits=tuple(limits))
 
 
 def read_host(proc_root: str = "/proc") -> MemoryReading:

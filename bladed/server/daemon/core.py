@@ -124,12 +124,21 @@ class Daemon:
         # once, with the reason: an operator reading why a box runs without io_uring finds it here
         log.log(logging.WARNING if engine.engine != "uring" and cfg.io.engine == "auto" else logging.INFO,
                 "I/O engine: %s", engine.describe())
+        self._log_group1_backing()
         event("daemon_start", version=__version__, pid=os.getpid(), backend=desc["kind"], device=desc["path"],
               engine=engine.engine, lba_size=desc["lba_size"], region=f"{start}+{blocks}", socket=cfg.socket_path,
-              pagecache=cfg.pagecache_dir, metrics=self.metrics.address if self.metrics else "off",
-              config=cfg.source or "embedded-default")
+              pagecache=cfg.pagecache_dir, group1_backing=cfg.group1_backing,
+              metrics=self.metrics.address if self.metrics else "off", config=cfg.source or "embedded-default")
         sd_notify("READY=1", f"STATUS=serving on {cfg.socket_path}: {desc['kind']} {desc['path']}, "
                              f"region {format_size(blocks * self.device.lba_size)}", f"MAINPID={os.getpid()}")
+
+    def _log_group1_backing(self) -> None:
+        """Once, where ``pagecache.backing = "auto"`` did not give memory files: an operator upgrading with
+        ``budget.live_replan = false`` finds why Dual-Blade's Group 1 is on disk."""
+        cfg = self.cfg
+        if cfg.pagecache.backing == "auto" and cfg.group1_backing == "disk":
+            log.info("pagecache.backing = \"auto\": Dual-Blade's Group 1 in page-cache files on disk, since "
+                     "budget.live_replan = false turns off live demotion, the one eviction of memory files")
 
     def _listen(self) -> None:
         cfg = self.cfg
@@ -360,6 +369,12 @@ class Daemon:
                 setup_logging(self.cfg)
             if any(name.startswith("budget.") for name in applied):
                 self.manager.replanner.restart()   # new override/cap/cgroup: re-sample and apply now
+            if "budget.live_replan" in applied:
+                self._log_group1_backing()
+                held = self.manager.own_kv_memory_bytes()
+                if held and not self.cfg.budget.live_replan:
+                    log.warning("SIGHUP: budget.live_replan = false: %s of Group 1 in memory files stay in memory, "
+                                "evicted by nothing, until their sessions close", format_size(held))
             event("reload", applied=",".join(applied) or "none", needs_restart=",".join(restart) or "none")
         finally:
             sd_notify("READY=1", f"STATUS=serving on {self.cfg.socket_path} (reloaded)")

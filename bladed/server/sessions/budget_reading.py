@@ -120,14 +120,15 @@ class BudgetSampler:
             return self._last
 
     def to_dict(self) -> dict[str, Any]:
-        """``samples`` (every measurement), ``periodic`` and ``pressure`` (the schedule's), ``demand`` (a reader
-        found the reading too old), ``changes`` (moves of ``B_pc`` past the hysteresis); ``running``,
-        ``sources`` (the schedule's pressure sources)."""
+        """``samples`` (every measurement), ``periodic``, ``pressure`` and ``threshold`` (the schedule's),
+        ``demand`` (a reader found the reading too old), ``changes`` (moves of ``B_pc`` past the hysteresis);
+        ``running``, ``sources`` (the memory watch's armed sources) and ``events`` (what they fired, by kind)."""
         with self._lock:
             b = self._budgeter
             out: dict[str, Any] = self._counts(b)
             running = self._running
-        return {"samples": out, "running": running, "sources": list(b.sources) if b is not None and running else []}
+        return {"samples": out, "running": running, "sources": list(b.sources) if b is not None and running else [],
+                "events": b.watch_stats if b is not None and running else {}}
 
     # -- inside -----------------------------------------------------------------------------------------
     def _budgeter_now(self) -> Budgeter:

@@ -25,7 +25,8 @@ from bladed.config import Config
 from bladed.io import Engine, ExtentDevice, StagingBuffer
 from bladed.protocol import ErrorCode, RequestError, get_field
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
-from bladed.residency.planner import KPU, BudgetLedger, Mode, plan_session
+from bladed.residency.geometry import Geometry
+from bladed.residency.planner import KPU, BudgetLedger, Mode, Plan, plan_session
 from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
 from bladed.server.prefixes.cache import PrefixCache
@@ -43,6 +44,7 @@ from bladed.server.wear import WearLedger
 from bladed.sizes import PAGE_SIZE
 
 log = logging.getLogger("bladed.session")
+
 
 class SessionManager:
     """Opens and tears down sessions; owns the allocator, the ledger and the journal."""
@@ -63,6 +65,8 @@ class SessionManager:
         self.prefixes = PrefixCache(cfg, device, allocator, journal, stats, wear)
         self.prefixes.pagecache_room = self._pagecache_room
         self._lock = threading.Lock()
+        #: one open plans at a time (``_plan`` and the ledger's admission together)
+        self._admission = threading.Lock()
         self.sessions: dict[str, ServedSession] = {}
 
     @property
@@ -122,42 +126,29 @@ class SessionManager:
         geometry, mode = open_geometry(body)
         # the prefix first: the entry it finds is held (not evicted) until it is copied into the session
         found = self.prefixes.lookup(geometry, peer, body["prefix"]) if "prefix" in body else None
+        admitted = False            # held in the ledger for a session not yet open: released if the open fails
         try:
             channels, slot_bytes, stride, staging_bytes = open_staging(body, geometry, cfg.io.max_channels,
                                                                        cfg.io.max_staging_bytes, self.staging_align)
             prepare_memfd(fd, staging_bytes)
             lba = self.device.lba_size
 
-            # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold
-            try:
-                breakdown = self.budget.for_session(channels, stride, OPEN_MAX_AGE_S)
-                b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
-            except (OSError, ValueError) as e:
-                log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
-                b_pc, budget = 0, {"error": str(e), "pagecache_budget_bytes": 0}
-            else:
-                check_staging_fits(breakdown, channels, stride)
-            # live sessions come first: retained prefixes leave the page cache for this one's whole KV set
-            free = self.ledger.available(b_pc)
-            self.prefixes.make_room_pagecache(free - min(free, geometry.kv_bytes))
-            grant = max(0, free - self.prefixes.pagecache_bytes)
-            budget["granted_bytes"] = grant
-            budget["held_by_others_bytes"] = self.ledger.held_bytes
-            try:
-                plan = plan_session(geometry, mode, grant, lba)
-            except ValueError as e:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"cannot plan this session: {e}") from None
+            with self._lock:
+                sid = secrets.token_hex(4)
+                while sid in self.sessions:
+                    sid = secrets.token_hex(4)
+            # Plan (§IV-A): Eq. 1-2 with this session's N_threads * M_pin, less what others hold.  One open plans at a
+            # time, and its Group 1 is held in the ledger from its plan on: two opens never grant the same bytes
+            with self._admission:
+                plan, budget, b_pc = self._plan(geometry, mode, channels, stride, lba)
+                self.ledger.admit(sid, plan)
+            admitted = True
             direct = plan.direct_kpus()
             if direct and self.wear is not None:
                 # io.write_budget: planned as ever, but a plan that spills to the device is refused once it is spent
                 self.wear.check_spill("session", f"a {mode.value} session with {len(direct)} KPUs "
                                                  f"({plan.direct_bytes} bytes) on the direct path",
                                       cfg.io.write_budget)
-
-            sid = secrets.token_hex(4)
-            with self._lock:
-                while sid in self.sessions:
-                    sid = secrets.token_hex(4)
             sess = ServedSession(sid, peer, geometry, plan, budget, self.stats)
             if get_field(body, "checksums", bool, default=cfg.io.checksums):
                 sess.checksums = Checksums(geometry)
@@ -180,7 +171,7 @@ class SessionManager:
                     raise
             with self._lock:
                 self.sessions[sid] = sess
-            self.ledger.admit(sid, plan)
+            admitted = False        # the session's now: closing it releases the ledger
             self.stats.add("sessions_opened")
             ext = sess.extent
             event("session_open", session=sid, uid=peer.uid, pid=peer.pid, mode=mode.value, channels=channels,
@@ -191,8 +182,34 @@ class SessionManager:
                   registered=all(c.engine.registered for c in sess.channels))
             return sess
         finally:
+            if admitted:
+                self.ledger.release(sid)
             if found is not None:
                 self.prefixes.cancel(found)
+
+    def _plan(self, geometry: Geometry, mode: Mode, channels: int, stride: int,
+              lba: int) -> tuple[Plan, dict[str, Any], int]:
+        """Algorithm 1 for a session being opened: ``(plan, budget terms for its reply, B_pc)`` (hold
+        ``_admission``)."""
+        try:
+            breakdown = self.budget.for_session(channels, stride, OPEN_MAX_AGE_S)
+            b_pc, budget = breakdown.pagecache_budget_bytes, breakdown.to_dict()
+        except (OSError, ValueError) as e:
+            log.warning("budget sampling failed (%s); planning with B_pc = 0", e)
+            b_pc, budget = 0, {"error": str(e), "pagecache_budget_bytes": 0}
+        else:
+            check_staging_fits(breakdown, channels, stride)
+        # live sessions come first: retained prefixes leave the page cache for this one's whole KV set
+        free = self.ledger.available(b_pc)
+        self.prefixes.make_room_pagecache(free - min(free, geometry.kv_bytes))
+        grant = max(0, free - self.prefixes.pagecache_bytes)
+        budget["granted_bytes"] = grant
+        budget["held_by_others_bytes"] = self.ledger.held_bytes
+        try:
+            plan = plan_session(geometry, mode, grant, lba)
+        except ValueError as e:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"cannot plan this session: {e}") from None
+        return plan, budget, b_pc
 
     def _bind(self, sess: ServedSession, fd: int, channels: int, staging_bytes: int, slot_bytes: int,
               stride: int) -> None:
@@ -203,7 +220,7 @@ class SessionManager:
         # Dual-Blade's Group 1 is planned to stay in memory: in memory files the kernel never writes back, with
         # live demotion as their eviction (docs/architecture.md, "Page-cache KV off the drive"); the other
         # modes' page cache is the kernel's to evict (Table III), so it stays on disk
-        memory = plan.mode is Mode.DUALBLADE and self.cfg.pagecache.backing == "memory"
+        memory = plan.mode is Mode.DUALBLADE and self.cfg.group1_backing == "memory"
         sess.pagecache = pagecache = PageCacheKPUStore(self.cfg.pagecache_dir, sess.id, plan.pagecache_kpus(),
                                                        memory=memory)
         if plan.mode is Mode.DUALBLADE and self.cfg.budget.reserve_extent and plan.reserve_blocks > blocks:

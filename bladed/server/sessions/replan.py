@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -79,7 +80,11 @@ class LiveReplanner:
         self.manager = manager
         self._lock = threading.Lock()
         self.stats = {"replans": 0, "demoted_kpus": 0, "demoted_bytes": 0, "demotions_failed": 0,
-                      "extents_moved": 0, "moved_bytes": 0}
+                      "extents_moved": 0, "moved_bytes": 0, "reactions": 0}
+        #: reaction times (a kernel event seen -> the first KPU it made the daemon demote written and freed)
+        self.reaction_last_s: float | None = None
+        self.reaction_max_s: float | None = None
+        self._trigger: tuple[float, str] | None = None
         self._work: queue.Queue[tuple[ReplanSession, int] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
@@ -146,9 +151,12 @@ class LiveReplanner:
                 for k in demoted:
                     self._work.put((sess, k.tensor_id))
                 scheduled += len(demoted)
+            if scheduled and b.event_at and self._trigger is None:
+                self._trigger = (b.event_at, b.reason)
             # every demotion of this change is pending from here on (what waits on a budget change wait for)
             event("budget_applied", pagecache_budget_bytes=b.pagecache_budget_bytes, reason=b.reason,
-                  held_bytes=self.manager.ledger.held_bytes, demotions=scheduled)
+                  held_bytes=self.manager.ledger.held_bytes, demotions=scheduled,
+                  binding_cgroup=b.binding_cgroup or "host")
 
     # -- carrying one out ----------------------------------------------------------------------
     def carry_out(self, sess: ReplanSession, kpu: KPU, channel: Channel,
@@ -182,11 +190,21 @@ class LiveReplanner:
         sess.plan = with_kpu(sess.plan, kpu, target)
         self.manager.ledger.admit(sess.id, sess.plan)
         live.done(kpu, nbytes)
+        reaction: dict[str, Any] = {}
         with self._lock:
             self.stats["demoted_kpus"] += 1
             self.stats["demoted_bytes"] += nbytes
+            if self._trigger is not None:
+                # the first KPU demoted since a kernel event asked for it: how long the event waited for memory
+                at, why = self._trigger
+                self._trigger = None
+                took = time.monotonic() - at
+                self.stats["reactions"] += 1
+                self.reaction_last_s = took
+                self.reaction_max_s = took if self.reaction_max_s is None else max(self.reaction_max_s, took)
+                reaction = {"reaction_s": f"{took:.4f}", "trigger": why}
         event("kpu_demoted", session=sess.id, kpu=kpu.name, path=kpu.path.value, bytes=nbytes,
-              group1_bytes=sess.plan.group1_bytes)
+              group1_bytes=sess.plan.group1_bytes, **reaction)
 
     def moved(self, nbytes: int) -> None:
         """A session's extent moved to make room for a demotion, copying ``nbytes``."""
@@ -198,8 +216,10 @@ class LiveReplanner:
         sampler = self.manager.budget.to_dict()
         with self._lock:
             out: dict[str, Any] = dict(self.stats)
+            out["reaction_last_s"] = self.reaction_last_s
+            out["reaction_max_s"] = self.reaction_max_s
         return out | {"budget_samples": sampler["samples"], "running": sampler["running"],
-                      "sources": sampler["sources"]}
+                      "sources": sampler["sources"], "events": sampler["events"]}
 
 
 __all__ = ["DemotionState", "LiveReplanner"]

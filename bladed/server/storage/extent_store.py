@@ -40,8 +40,8 @@ request are submitted to the channel's ring together.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -57,8 +57,13 @@ from bladed.server.storage.edges import Edge, Tail, edges_of
 from bladed.server.storage.gates import KPUGates
 from bladed.sizes import PAGE_SIZE, align_up, ceil_div
 
-#: bounce buffer for ranges whose slot offset is not aligned like their KPU offset, and for demotion copies
+log = logging.getLogger("bladed.storage")
+
+#: bounce buffer for ranges whose slot offset is not aligned like their KPU offset, and for extent moves
 BOUNCE_BYTES = 1 << 20
+#: a live demotion writes its KPU in pieces of this size, this many in flight, freeing each written piece's pages
+DEMOTION_PIECE = 4 << 20
+DEMOTION_DEPTH = 4
 #: edge LBAs one channel's scratch holds before it grows (two per range of a request)
 EDGE_LBAS = 16
 
@@ -332,38 +337,91 @@ class ExtentKPUStore(KPUStore):
         ``extent_with_room(nblocks)`` gives the map (:meth:`ExtentMap.place`) an extent with room for ``nblocks``
         more blocks after the last bound KPU (allocating or growing it).  An
         earlier try that bound the KPU but failed to copy reuses its LBAs.
+        The bytes go to the device straight from the file's mapping, pieces in flight together
+        (:meth:`_write_out`), and each piece's pages are freed once it is written: a memory file gives its
+        memory back at the device's write speed, from the first piece on.
         Raises (OSError, BladedIOError, MemoryError, RegionFullError) on failure,
-        with nothing of the KPU served from here yet.  Returns the bytes copied.
+        with nothing of the KPU served from here yet and the file holding its bytes again.
+        Returns the bytes copied.
         """
         L = self.lba
         self.prepare()
-        with contextlib.ExitStack() as stack:
-            # the copy buffer first: no memory refuses the move before any LBA is bound
-            buf = stack.enter_context(StagingBuffer(min(align_up(filled, L), BOUNCE_BYTES))) if filled else None
-            # one move at a time, bind and copy together: extent_with_room() may move the extent, never under a copy
-            stack.enter_context(self._moving)
+        # one move at a time, bind and copy together: extent_with_room() may move the extent, never under a copy
+        with self._moving:
             if kpu.tensor_id in self.map:
                 slba = self.map.lookup(kpu.tensor_id)[0]
             else:
                 extent_with_room(kpu.padded_bytes // L)
                 slba, _ = self.map.add(kpu)
             tail = Tail(fill=filled)
-            if buf is not None:
-                per = buf.nbytes
-                for off in range(0, filled, per):
-                    n = min(per, filled - off)
-                    source.read_into(buf, off, n)
-                    whole = align_up(n, L)
-                    if whole > n:
-                        ctypes.memset(buf.address + n, 0, whole - n)   # past the fill: zero, as on a fresh LBA
-                    ch.engine.write(slba + off // L, buf, nbytes=whole)
-                    if off + n == filled:
-                        last = (filled - 1) // L - off // L
-                        tail.filled_to(filled, L, buf.view(last * L, L) if filled % L else None)
+            if filled:
+                with source.mapped() as mem:
+                    # the LBA the fill ends in, as the tail copy: taken before its pages go
+                    last = memoryview(bytes(mem[(filled - 1) // L * L:][:L])) if filled % L else None
+                    # past the fill the file holds zeroes, as a fresh LBA does: whole LBAs go as they are
+                    self._write_out(kpu.name, source, mem, slba, align_up(filled, L), ch)
+                tail.filled_to(filled, L, last)
             with self._lock:
                 self._kpus[kpu.tensor_id] = kpu
                 self._tails[kpu.tensor_id] = tail
         return filled
+
+    def _write_out(self, name: str, source: PageCacheFile, mem: object, slba: int, nbytes: int,
+                   ch: ChannelIO) -> None:
+        """Write ``[0, nbytes)`` of ``source``'s mapping ``mem`` to ``slba`` on, :data:`DEMOTION_DEPTH` pieces of
+        :data:`DEMOTION_PIECE` in flight, freeing the file's pages of each written prefix as it grows.
+
+        On a failure the pieces already freed are read back from the device into the file, so it holds every
+        byte again, and the write's error is raised (if that read fails too, the file's bytes are gone: the file
+        is marked lost, its reads fail, and the read's error is raised)."""
+        L = self.lba
+        pieces = [(off, min(DEMOTION_PIECE, nbytes - off)) for off in range(0, nbytes, DEMOTION_PIECE)]
+        inflight: dict[int, Transfer] = {}
+        done: set[int] = set()
+        freed = 0                      # the prefix [0, freed) is on the device and gone from the file
+        nxt = 0
+        error: BaseException | None = None
+        while (nxt < len(pieces) and error is None) or inflight:
+            while error is None and nxt < len(pieces) and len(inflight) < DEMOTION_DEPTH:
+                off, n = pieces[nxt]
+                try:
+                    inflight[nxt] = ch.engine.submit(Op.WRITE, slba + off // L, mem, offset=off, nbytes=n, tag=nxt)
+                except (OSError, BladedIOError, ValueError) as e:
+                    error = e
+                    break
+                nxt += 1
+            if not inflight:
+                break
+            for x in ch.engine.wait(1):
+                inflight.pop(x.tag, None)
+                if x.ok:
+                    done.add(x.tag)
+                elif error is None:
+                    error = x.error()
+            end = freed
+            while error is None and (i := end // DEMOTION_PIECE) in done:
+                done.discard(i)
+                end = min(nbytes, end + DEMOTION_PIECE)
+            if end < source.nbytes:
+                end -= end % PAGE_SIZE          # whole pages (the last one goes with the file)
+            if end > freed:
+                try:
+                    source.punch(freed, end - freed)
+                    freed = end
+                except (OSError, BladedIOError) as e:
+                    error = e
+        if error is None:
+            return
+        if freed:
+            try:
+                ch.engine.read(slba, mem, nbytes=freed)
+            except (OSError, BladedIOError) as e:
+                source.lose(f"its bytes [0, {freed}) were freed after they reached the device, and reading them "
+                            f"back failed: {e}")
+                raise
+            log.warning("demotion of %s failed after %d bytes of it were written and freed; read back %d bytes "
+                        "into its file: %s", name, freed, freed, error)
+        raise error
 
     def served(self) -> list[int]:
         """Tensor ids served from the extent now (bound at open, or moved here and copied)."""

@@ -80,6 +80,8 @@ class PageCacheKPUStore(KPUStore):
         if kpu.drop_after_use or not self.holds(t):
             return True
         f = self.file(t)
+        if f.lost is not None:
+            return True         # never the lane's: its reads go where they fail (PageCacheFile.lose)
         return f.materialized and gates.open(t, f.fd, f.address, f.nbytes)
 
     def run(self, ch: ChannelIO, accesses: list[Access]) -> None:

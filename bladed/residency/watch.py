@@ -1,0 +1,292 @@
+"""The kernel's memory events on the cgroups that bind the page-cache budget, so that a neighbour's growth is
+seen in milliseconds, not at the next periodic sample (issue 46; docs/operations.md, "Memory").
+
+Memory files (``pagecache.backing = "memory"``) cannot be reclaimed: when another process in a limited cgroup
+above the daemon grows, the only way out is bladed's demotion, and it must start before the cgroup reaches its
+limit, or the OOM killer takes the neighbour.  After every sample of Eq. 1-2 (:mod:`bladed.residency.budget`),
+:class:`MemoryWatch` arms, for every limited cgroup of the reading:
+
+* a **usage threshold** at the usage where that cgroup's side of Eq. 1 would take ``B_pc`` below what the live
+  sessions hold (the growth ``g = (B_a - held) * (1 + k_kernel)`` from now): cgroup v1's
+  ``cgroup.event_control`` with ``memory.usage_in_bytes`` and an eventfd, which the kernel signals from the
+  charge path itself (every 128 pages charged per CPU); cgroup v2 has none, so there the usage file is read at
+  a period that shrinks with the distance to the threshold (``distance / POLL_RATE``, 2 ms at the least): a
+  growth of up to ``POLL_RATE`` is seen within one period;
+* **reclaim events** for a cgroup already full of page cache, whose usage stays at the limit while anonymous
+  memory displaces the cache: v1 ``memory.pressure_level`` (``low``: any reclaim), v2 ``memory.events``
+  (``high``/``max`` counted: ``poll`` wakes on the file's change) and a PSI trigger on the cgroup's
+  ``memory.pressure`` (a 500 ms window where the daemon may, 2 s otherwise);
+
+and the host's PSI (``/proc/pressure/memory``).  An event makes the budget's thread sample at once (reclaim
+events at most every ``RECLAIM_GAP_S``, as a cgroup full of cache reclaims continually).
+
+The watch knows cgroups and byte counts, not sessions: what to demote is the re-planner's
+(:mod:`bladed.server.sessions.replan`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("bladed.residency.watch")
+
+#: the fastest growth a v2 poll is sized to catch within one period (bytes/s); faster than any process faults
+#: pages in on the machines measured (docs/operations.md, "Memory")
+POLL_RATE = 8 << 30
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.25
+#: a threshold is never armed closer than this above the usage (a cgroup over its budget re-samples every step)
+MIN_STEP = 2 << 20
+#: reclaim-type events (pressure levels, memory.events, PSI) share one sample per this gap
+RECLAIM_GAP_S = 0.05
+#: PSI: 10 ms of stall in 500 ms where the daemon may use short windows (CAP_SYS_RESOURCE), else 200 ms in 2 s
+PSI_SHORT = b"some 10000 500000\x00"
+PSI_LONG = b"some 200000 2000000\x00"
+
+
+@dataclass
+class Source:
+    """One armed event: a file descriptor to poll, what it means, and what to close."""
+
+    name: str
+    fd: int
+    events: int
+    kind: str                      # "threshold" | "reclaim" | "psi"
+    close_fds: list[int] = field(default_factory=list)
+    eventfd: bool = False
+
+    def close(self) -> None:
+        for fd in self.close_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.close_fds = []
+
+
+@dataclass
+class _Polled:
+    path: str
+    fd: int
+    threshold: int
+
+
+def thresholds(limits: Any, held: int, pinned_uncharged: int, kernel_overhead: float, host_available: int,
+               override: bool) -> dict[str, int]:
+    """The usage of each limited cgroup (``BudgetBreakdown.limits``) at which its side of Eq. 1 takes ``B_pc``
+    below ``held``; none where ``budget.override`` fixes ``B_pc``."""
+    if override:
+        return {}
+    out: dict[str, int] = {}
+    for lc in limits:
+        usable = min(host_available, int(lc["room_bytes"]))
+        b_a = max(0.0, usable - pinned_uncharged) / (1.0 + kernel_overhead)
+        growth = int((b_a - held) * (1.0 + kernel_overhead))
+        usage, limit = int(lc["usage_bytes"]), int(lc["limit_bytes"])
+        # and before the limit itself, in a cgroup whose page cache would hide the growth until then
+        out[str(lc["path"])] = min(usage + max(growth, MIN_STEP), limit - int(lc["free_bytes"]) // 2)
+    return out
+
+
+class MemoryWatch:
+    """Kernel memory events for the budget's thread (module docstring).
+
+    :meth:`arm` after every sample; :meth:`sources` and :meth:`timeout_s` for the thread's ``poll``;
+    :meth:`fired` for an event of a source, :meth:`poll_crossed` when the poll's timeout passed; :meth:`close`.
+    """
+
+    def __init__(self, version: str, pressure_level: str = "low", host_psi: str | None = "/proc/pressure/memory"
+                 ) -> None:
+        self.version = version
+        self.pressure_level = pressure_level
+        self.host_psi = host_psi if host_psi and os.path.exists(host_psi) else None
+        self._static: dict[str, Source] = {}           # reclaim and PSI sources, by cgroup (armed once)
+        self._thresholds: dict[str, tuple[int, Source]] = {}   # v1: path -> (threshold, its eventfd source)
+        self._polled: dict[str, _Polled] = {}           # v2 (or v1 without event_control): path -> usage poll
+        self._next_poll = 0.0
+        self.stats = {"threshold": 0, "reclaim": 0, "psi": 0, "poll": 0}
+        self.armed: dict[str, int] = {}                 # path -> the usage threshold armed
+
+    # -- arming --------------------------------------------------------------------------------------------
+    def arm(self, want: dict[str, int]) -> None:
+        """Arm the usage thresholds ``want`` (path -> bytes, :func:`thresholds`) and, once per cgroup, its reclaim
+        events; drop what no longer binds."""
+        for path in list(self._thresholds):
+            if path not in want:
+                self._thresholds.pop(path)[1].close()
+        for path in list(self._polled):
+            if path not in want:
+                with contextlib.suppress(OSError):
+                    os.close(self._polled.pop(path).fd)
+        for path, threshold in want.items():
+            if path not in self._static:
+                self._arm_static(path)
+            if self.version == "v1" and path not in self._polled:
+                old = self._thresholds.get(path)
+                if old is not None and old[0] == threshold:
+                    continue
+                src = self._arm_threshold(path, threshold)
+                if old is not None:
+                    old[1].close()
+                if src is not None:
+                    self._thresholds[path] = (threshold, src)
+                    continue
+                self._thresholds.pop(path, None)
+            self._arm_poll(path, threshold)
+        self.armed = dict(want)
+        if self.host_psi is not None and "host" not in self._static:
+            src = self._arm_psi(self.host_psi, "host")
+            if src is not None:
+                self._static["host"] = src
+
+    def _arm_threshold(self, path: str, threshold: int) -> Source | None:
+        efd = ufd = -1
+        try:
+            efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            ufd = os.open(os.path.join(path, "memory.usage_in_bytes"), os.O_RDONLY | os.O_CLOEXEC)
+            with open(os.path.join(path, "cgroup.event_control"), "w") as f:
+                f.write(f"{efd} {ufd} {threshold}")
+        except OSError as e:
+            for fd in (efd, ufd):
+                if fd >= 0:
+                    os.close(fd)
+            log.info("memory watch: no usage threshold on %s (%s); polling its usage", path, e)
+            return None
+        return Source(f"v1-threshold:{path}", efd, select.POLLIN, "threshold", [efd, ufd], eventfd=True)
+
+    def _arm_poll(self, path: str, threshold: int) -> None:
+        p = self._polled.get(path)
+        if p is None:
+            name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
+            try:
+                fd = os.open(os.path.join(path, name), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                log.info("memory watch: cannot read the usage of %s (%s)", path, e)
+                return
+            p = self._polled[path] = _Polled(path, fd, threshold)
+        p.threshold = threshold
+        self._next_poll = 0.0             # measure at once against the new threshold
+
+    def _arm_static(self, path: str) -> None:
+        src: Source | None = None
+        if self.version == "v1":
+            efd = pfd = -1
+            try:
+                efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+                pfd = os.open(os.path.join(path, "memory.pressure_level"), os.O_RDONLY | os.O_CLOEXEC)
+                with open(os.path.join(path, "cgroup.event_control"), "w") as f:
+                    f.write(f"{efd} {pfd} {self.pressure_level}")
+                src = Source(f"v1-pressure-level:{self.pressure_level}:{path}", efd, select.POLLIN, "reclaim",
+                             [efd, pfd], eventfd=True)
+            except OSError as e:
+                for fd in (efd, pfd):
+                    if fd >= 0:
+                        os.close(fd)
+                log.info("memory watch: no v1 memory.pressure_level events for %s (%s)", path, e)
+        else:
+            try:
+                fd = os.open(os.path.join(path, "memory.events"), os.O_RDONLY | os.O_CLOEXEC)
+                os.read(fd, 4096)          # poll() reports a change after the first read
+                src = Source(f"v2-events:{path}", fd, select.POLLPRI, "reclaim", [fd])
+            except OSError as e:
+                log.info("memory watch: no memory.events notifications for %s (%s)", path, e)
+            psi = self._arm_psi(os.path.join(path, "memory.pressure"), path)
+            if psi is not None:
+                self._static[path + ":psi"] = psi
+        if src is not None:
+            self._static[path] = src
+        else:
+            self._static.setdefault(path, Source(f"none:{path}", -1, 0, "reclaim"))
+
+    @staticmethod
+    def _arm_psi(path: str, name: str) -> Source | None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            log.info("memory watch: no PSI trigger on %s (%s)", path, e)
+            return None
+        for trig in (PSI_SHORT, PSI_LONG):
+            try:
+                os.write(fd, trig)
+                return Source(f"psi:{path}", fd, select.POLLPRI, "psi", [fd])
+            except OSError as e:
+                err = e
+        os.close(fd)
+        log.info("memory watch: PSI trigger refused by %s (%s)", path, err)
+        return None
+
+    # -- the thread's side ----------------------------------------------------------------------------------
+    def sources(self) -> list[Source]:
+        """Everything to poll now."""
+        out = [s for s in self._static.values() if s.fd >= 0]
+        out.extend(src for _, src in self._thresholds.values())
+        return out
+
+    def names(self) -> list[str]:
+        """What is armed, for ``stats`` (``replan.sources``)."""
+        out = [s.name for s in self.sources()]
+        out.extend(f"poll:{p.path}" for p in self._polled.values())
+        return out
+
+    def timeout_s(self, now: float) -> float | None:
+        """Seconds until the next usage poll is due (None: no poll armed)."""
+        if not self._polled:
+            return None
+        return max(0.0, self._next_poll - now)
+
+    def fired(self, src: Source) -> str:
+        """Consume the event of ``src``; its kind (``threshold``, ``reclaim`` or ``psi``)."""
+        if src.eventfd:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.eventfd_read(src.fd)
+        elif src.kind == "reclaim":
+            with contextlib.suppress(OSError):
+                os.pread(src.fd, 4096, 0)          # re-arms the change notification
+        self.stats[src.kind] += 1
+        return src.kind
+
+    def poll_crossed(self, now: float) -> bool:
+        """Read the polled usages (when due): True if one is at or past its threshold."""
+        if not self._polled or now < self._next_poll:
+            return False
+        crossed = False
+        period = POLL_MAX_S
+        for p in self._polled.values():
+            try:
+                usage = int(os.pread(p.fd, 64, 0))
+            except (OSError, ValueError):
+                continue
+            distance = p.threshold - usage
+            if distance <= 0:
+                crossed = True
+            period = min(period, max(POLL_MIN_S, distance / POLL_RATE))
+        self._next_poll = now + period
+        if crossed:
+            self.stats["poll"] += 1
+        return crossed
+
+    def drop(self, src: Source) -> None:
+        """Forget a source whose file went away (its cgroup was removed)."""
+        src.close()
+        src.fd = -1
+        for path, (_, t) in list(self._thresholds.items()):
+            if t is src:
+                del self._thresholds[path]
+
+    def close(self) -> None:
+        for src in self._static.values():
+            src.close()
+        for _, src in self._thresholds.values():
+            src.close()
+        for p in self._polled.values():
+            with contextlib.suppress(OSError):
+                os.close(p.fd)
+        self._static.clear()
+        self._thresholds.clear()
+        self._polled.clear()
+
+
+__all__ = ["POLL_RATE", "MemoryWatch", "Source", "thresholds"]
