@@ -407,7 +407,7 @@ class SelectTrace:
         return list(self.layers[(layer - self.dense_layers) % len(self.layers)][pos - self.first])
 
 
-def _runs(pages: list[int], page: int, ntok: int) -> list[tuple[int, int]]:
+def page_runs(pages: list[int], page: int, ntok: int) -> list[tuple[int, int]]:
     """Sorted page ids as token ranges of runs of consecutive pages, clipped to ``ntok`` tokens."""
     out: list[tuple[int, int]] = []
     for p in pages:
@@ -566,7 +566,7 @@ class Workload:
                 partial = ntok // page               # the page not yet whole: kept for this step only
                 miss = [p for p in pages if p not in held or p >= partial]
                 self._held[(layer, kind)] = {p for p in pages if p < partial} if reuse else set()
-                runs = _runs(miss, page, ntok)
+                runs = page_runs(miss, page, ntok)
                 with self._ops_lock:
                     trace.select_pages += len(pages) if kind == "k" else 0
                     trace.select_read_pages += len(miss) if kind == "k" else 0
