@@ -26,8 +26,8 @@ import pytest
 from daemon_util import ROOT
 
 STEPS = ["environment", "install", "liburing", "build", "uring", "daemon", "cgroups", "flexgen", "cuda_tests",
-         "bandwidth", "runner", "sweep", "profile", "e2e"]
-CUDA_STEPS = ["cuda_tests", "bandwidth", "runner", "sweep", "profile", "e2e"]
+         "bandwidth", "runner", "sparse", "sweep", "profile", "e2e"]
+CUDA_STEPS = ["cuda_tests", "bandwidth", "runner", "sparse", "sweep", "profile", "e2e"]
 
 
 @pytest.mark.slow
@@ -67,6 +67,8 @@ def test_the_gpu_check_rehearses_every_step_on_this_machine(tmp_path: os.PathLik
     assert slot["pinned_by_client"] is False and slot["address"] > 0
     runner = steps["runner"]["data"]["summary"]["b1"]
     assert runner["tokens_equal"] is True and runner["kv_gpu_decode_tok_s"] > 0 and runner["bladed_decode_tok_s"] > 0
+    sparse = steps["sparse"]["data"]["summary"]      # issue 47: the sparse reads' plumbing, tokens held
+    assert sparse["tokens_equal"] is True and sparse["read_bytes_sparse_over_dense"] < 1
     sweep = steps["sweep"]["data"]["points"]
     assert [p["kv_fraction"] < 0.5 for p in sweep] == [True, False]
     for p in sweep:

@@ -102,12 +102,13 @@ CARRY_LIMIT = 24 << 20
 TIMEOUTS = {
     "environment": (60, 60), "install": (90, 120), "liburing": (30, 30), "build": (150, 150),
     "uring": (30, 30), "daemon": (60, 60), "cgroups": (30, 30), "flexgen": (90, 240), "cuda_tests": (240, 120),
-    "bandwidth": (90, 60), "runner": (120, 90), "sweep": (150, 90), "profile": (150, 150), "e2e": (3600, 600),
+    "bandwidth": (90, 60), "runner": (120, 90), "sparse": (150, 60), "sweep": (150, 90), "profile": (150, 150),
+    "e2e": (3600, 600),
 }
 #: seconds kept for a later step while an earlier one runs (a slow early step cannot starve the issue-41 parts)
 RESERVE = {"profile": 45, "e2e": 150}
 #: the CUDA parts: not run without CUDA
-CUDA_STEPS = ("cuda_tests", "bandwidth", "runner", "sweep", "profile", "e2e")
+CUDA_STEPS = ("cuda_tests", "bandwidth", "runner", "sparse", "sweep", "profile", "e2e")
 #: the steps --skip may leave out (the measurements; the set-up they need always runs)
 SKIPPABLE = ("flexgen", *CUDA_STEPS)
 
@@ -774,7 +775,8 @@ STEPS: tuple[tuple[str, Callable[[Ctx], Result]], ...] = (
     ("environment", step_environment), ("install", step_install), ("liburing", step_liburing),
     ("build", step_build), ("uring", step_uring), ("daemon", step_daemon), ("cgroups", step_cgroups),
     ("flexgen", step_flexgen), ("cuda_tests", step_cuda_tests), ("bandwidth", step_measure("bandwidth")),
-    ("runner", step_measure("runner")), ("sweep", step_measure("sweep")), ("profile", step_measure("profile")),
+    ("runner", step_measure("runner")), ("sparse", step_measure("sparse")), ("sweep", step_measure("sweep")),
+    ("profile", step_measure("profile")),
     ("e2e", step_e2e),
 )
 
@@ -878,6 +880,7 @@ def figures(doc: Result) -> Result:
         "torch": env.get("torch"), "transformers": env.get("transformers"), "kernel": env.get("kernel"),
         "io_uring": (env.get("io_uring") or {}).get("available"),
         "staging_bandwidth": bw.get("summary"), "runner_tokens_per_s": rn.get("summary"),
+        "sparse_reads": ((st.get("sparse") or {}).get("data") or {}).get("summary"),
         "kv_sweep_point": sw.get("summary"),
         "cgroup_parent": ((st.get("cgroups") or {}).get("data") or {}).get("parent"),
         "flexgen": {"wheels": fg.get("wheels"), "tokenizer": (fg.get("tokenizer") or {}).get("class"),
@@ -927,7 +930,7 @@ def summary_lines(doc: Result) -> Iterator[str]:
     for name, res in doc["steps"].items():
         yield f"  {name:12s} {res['status']:8s} {res.get('seconds', 0):6.1f} s" + (
             f"  {_short(res['reason'])}" if res.get("reason") else "")
-    for key in ("staging_bandwidth", "runner_tokens_per_s", "kv_sweep_point", "runner_profile", "e2e"):
+    for key in ("staging_bandwidth", "runner_tokens_per_s", "sparse_reads", "kv_sweep_point", "runner_profile", "e2e"):
         if f.get(key):
             yield f"  {key}: {json.dumps(f[key], default=str)}"
 

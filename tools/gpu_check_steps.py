@@ -389,6 +389,81 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return round(x / y, 3) if x and y else None
 
 
+#: the sparse step's selection (issue 47, docs/kv-select.md): the runner's default selector at the share the
+#: accuracy table supports on SmolLM2, and in the rehearsal pages of 8 (its prompt is 20 of them)
+SPARSE_SELECT = "keys:0.25"
+SPARSE_SELECT_REHEARSAL = "keys:0.25,page=8"
+
+
+def step_sparse(a: argparse.Namespace) -> Result:
+    """Sparse decode reads on the GPU (issue 47): the runner with ``kv_select`` against the dense runner, both with
+    KV through bladed (Dual-Blade), against KV in GPU memory; the sparse run over bladed must give the sparse run
+    over MemoryKV's tokens (the same arithmetic), the dense one KV-in-GPU's."""
+    import torch
+
+    from bladed.kvstore import BladedKV, MemoryKV
+    from bladed.runner.generation import Policy, Runner
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model, what, dtype = _runner_model(cuda, a.rehearse)
+    model = model.to(device)
+    cfg = model.cfg
+    prompt_len, gen_len, batch = (2048, 32, 4) if cuda else (160, 6, 1)
+    spec = SPARSE_SELECT if cuda else SPARSE_SELECT_REHEARSAL
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    data: Result = {"model": what, "dtype": str(dtype).removeprefix("torch."), "device": device, "batch": batch,
+                    "prompt_len": prompt_len, "gen_len": gen_len, "select": spec, "runs": {}}
+
+    def measure(name: str, policy: Policy, factory: Any) -> Result:
+        runner = Runner(model, policy, kv_factory=factory, device=device)
+        runner.generate(ids, 4)   # warm-up
+        res = runner.generate(ids, gen_len)
+        t = res.throughputs()
+        steps = res.step_times[1:]
+        per_step = sum(s["read_bytes"] for s in steps) / max(1, len(steps))
+        row = {"decode_tok_s": round(t["decode_throughput_tok_s"], 2), "load_wait_s": round(res.load_wait_s, 4),
+               "select": res.select or None, "tokens": res.tokens.tolist(),
+               "decode_read_bytes_per_step": round(per_step),
+               "select_s_per_step": round(sum(s["select_s"] for s in steps) / max(1, len(steps)), 5)}
+        say(f"sparse {name}: decode {row['decode_tok_s']} tok/s, {per_step / MiB:.1f} MiB read per step")
+        data["runs"][name] = row
+        return row
+
+    gpu = measure("kv_gpu_dense", Policy(gpu_batch_size=batch, cache_gpu_percent=100), None)
+    mem = measure("memory_sparse", Policy(gpu_batch_size=batch, kv_select=spec), lambda g: MemoryKV(g))
+    equal = True
+    if not a.no_daemon:
+        from bladed.client import Client
+
+        with private_daemon(a.work, "sparse", size="2G") as (sock, _d), Client(sock) as c:
+            def factory(geo: Any) -> BladedKV:
+                return BladedKV.open(geo, mode="dualblade", channels=2, client=c, defer_writes=True)
+
+            dense = measure("bladed_dense", Policy(gpu_batch_size=batch), factory)
+            sparse = measure("bladed_sparse", Policy(gpu_batch_size=batch, kv_select=spec), factory)
+        equal = sparse["tokens"] == mem["tokens"] and dense["tokens"] == gpu["tokens"]
+        data["summary"] = {
+            "select": spec, "bladed_sparse_decode_tok_s": sparse["decode_tok_s"],
+            "bladed_dense_decode_tok_s": dense["decode_tok_s"], "kv_gpu_decode_tok_s": gpu["decode_tok_s"],
+            "sparse_over_dense": _ratio(sparse["decode_tok_s"], dense["decode_tok_s"]),
+            "sparse_over_kv_gpu": _ratio(sparse["decode_tok_s"], gpu["decode_tok_s"]),
+            "read_bytes_sparse_over_dense": _ratio(sparse["decode_read_bytes_per_step"],
+                                                   dense["decode_read_bytes_per_step"]),
+            "reuse_hit_rate": (sparse["select"] or {}).get("reuse_hit_rate"), "tokens_equal": equal}
+    for row in data["runs"].values():
+        row.pop("tokens", None)
+    if not cuda:
+        return {"status": "not_run" if equal else "failed",
+                "reason": "no CUDA: rehearsed on the CPU with a tiny model" if equal else
+                          "the sparse run over bladed gave other tokens than over MemoryKV", "data": data}
+    if a.no_daemon:
+        return {"status": "not_run", "reason": f"KV through bladed is not runnable here: {a.no_daemon}", "data": data}
+    return {"status": "passed" if equal else "failed",
+            "reason": None if equal else "the sparse run over bladed gave other tokens than over MemoryKV (or the "
+                                         "dense one than KV in GPU memory)", "data": data}
+
+
 # -- sweep ------------------------------------------------------------------------------------------------
 
 #: the daemon's own memory under a limit (bladed_bench.sweep.DAEMON_ANON_ESTIMATE), added to the KV fraction
@@ -1078,6 +1153,7 @@ def step_e2e(a: argparse.Namespace) -> Result:
 STEPS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "uring": step_uring, "daemon": step_daemon, "bandwidth": step_bandwidth, "runner": step_runner,
     "sweep": step_sweep, "cgroups": step_cgroups, "flexgen": step_flexgen, "profile": step_profile,
+    "sparse": step_sparse,
     "e2e": step_e2e,
 }
 
