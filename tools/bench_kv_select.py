@@ -382,6 +382,36 @@ def record_trace(model: DecoderModel, ids: list[int], spec: SelectSpec, prompt_l
                       sorted(capture.items())}}
 
 
+# -- what a reused prefix costs the selector ----------------------------------------------------------------------
+def load_cost(model: DecoderModel, ids: list[int], tokens: int, reps: int = 7) -> dict[str, Any]:
+    """Seconds to bring a reused prefix's selector state back from its K read at load
+    (``SelectionState.on_read``: the key copy's q4 rows, or the page summaries), for every layer of the model,
+    against the prefill of the same tokens it spares; alternated, medians with their spread."""
+    from bladed.kvselect import SelectionState
+
+    past = prefill(model, ids[:tokens])
+    keys = [k[0].permute(1, 0, 2).unsqueeze(1).contiguous() for k in past.keys]     # tokens-first per layer
+    layers = model.cfg.num_layers
+    out: dict[str, Any] = {"tokens": tokens, "layers": layers, "reps": reps}
+    times: dict[str, list[float]] = {"keys": [], "quest": [], "prefill": []}
+    for _ in range(reps):
+        for name in times:
+            t0 = time.perf_counter()
+            if name == "prefill":
+                prefill(model, ids[:tokens])
+            else:
+                state = SelectionState(parse_select(f"{name}:0.25"), layers, tokens, model.attention_scale)
+                for layer in range(layers):
+                    state.on_read(layer, keys[layer])
+                out[f"{name}_bytes"] = state.nbytes()
+            times[name].append(time.perf_counter() - t0)
+    for name, xs in times.items():
+        out[f"{name}_s"] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    out["keys_over_prefill"] = out["keys_s"]["median"] / out["prefill_s"]["median"]
+    out["quest_over_prefill"] = out["quest_s"]["median"] / out["prefill_s"]["median"]
+    return out
+
+
 # -- the run ----------------------------------------------------------------------------------------------
 def configs_from(args: argparse.Namespace) -> dict[str, SelectSpec]:
     if args.configs:
@@ -450,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of the accuracy run: record the pages SPEC selects at every selecting layer for "
                         "--trace-steps decode positions after a prompt of --trace-prompt tokens of the text, as JSON "
                         "for the storage-bound harness (WorkloadSpec.select_trace)")
+    p.add_argument("--load-cost", type=int, default=0, metavar="TOKENS",
+                   help="instead of the accuracy run: the seconds to rebuild the selector's state from a reused "
+                        "prefix of TOKENS tokens read back, against their prefill (a timing: hold the bench lock)")
     p.add_argument("--trace-prompt", type=int, default=4096)
     p.add_argument("--trace-steps", type=int, default=16)
     p.add_argument("--note", action="append", default=[])
@@ -468,6 +501,15 @@ def main(argv: list[str] | None = None) -> int:
     assert tok is not None, "SmolLM2 comes with its tokenizer"
     text, source = corpus_text(a.corpus)
     ids = list(tok.encode(text, add_special_tokens=False))
+    if a.load_cost:
+        with torch.no_grad():
+            cost = {"schema": "bladed.kvselect_load_cost/1", "machine": machine(), "text": source,
+                    **load_cost(model, ids, a.load_cost)}
+        body = json.dumps(cost, indent=1)
+        if a.out and a.out != "-":
+            pathlib.Path(a.out).write_text(body + "\n")
+        print(body)
+        return 0
     if a.trace:
         with torch.no_grad():
             doc = record_trace(model, ids, parse_select(a.trace, "--trace"), a.trace_prompt, a.trace_steps, source)
