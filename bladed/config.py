@@ -113,6 +113,10 @@ class BudgetConfig:
     #: bring the cgroup to its limit, where reclaim meets Group 1's dirty pages and stalls (docs/architecture.md,
     #: "The page-cache budget"); 0 = a budget that fills the cgroup
     headroom: float = 0.02
+    #: bytes per second a neighbour in a limited cgroup above the daemon may grow that bladed out-runs while Group 1
+    #: is in memory files: M_free is at least absorb_rate * the reaction time measured for live demotion
+    #: (docs/operations.md, "Memory"); 0 = the headroom fraction alone; with disk files the kernel reclaims instead
+    absorb_rate: int = 1 << 30
 
 
 @dataclass
@@ -339,7 +343,8 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-_SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "access.quota_bytes",
+_SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "budget.absorb_rate",
+              "access.quota_bytes",
               "io.max_staging_bytes", "io.read_window_bytes", "io.write_budget", "prefix.device_bytes",
               "prefix.pagecache_bytes"}
 
@@ -494,6 +499,9 @@ def validate(cfg: Config) -> list[str]:
     if not 0.0 <= b.headroom < 0.5:
         p.append(f"budget.headroom: must be within [0, 0.5) (a fraction of the memory limit left free; 0.02 by "
                  f"default), got {b.headroom}")
+    if b.absorb_rate < 0:
+        p.append(f"budget.absorb_rate: must be >= 0 (bytes per second, e.g. \"1G\"; 0 = the headroom fraction "
+                 f"alone), got {b.absorb_rate}")
     if b.override is not None and b.cap is not None and b.override > b.cap:
         p.append(f"budget.override ({b.override}) is larger than budget.cap ({b.cap})")
     io = cfg.io

@@ -23,6 +23,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -220,10 +221,21 @@ def _cmd_ping() -> int:
     return os.getpid()
 
 
-def _cmd_anon(nbytes: int) -> int:
-    """Allocate and touch ``nbytes`` of anonymous memory, kept until exit."""
+def _cmd_anon(nbytes: int, rate: float = 0.0) -> int:
+    """Allocate and touch ``nbytes`` of anonymous memory, kept until exit; with ``rate`` (bytes/s), 1 MiB at a time
+    at that pace (a neighbour growing steadily, not a synchronisation)."""
     m = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    _touch(m, nbytes)
+    if rate <= 0:
+        _touch(m, nbytes)
+    else:
+        step, t0, mv = 1 << 20, time.perf_counter(), memoryview(m)
+        for off in range(0, nbytes, step):
+            n = min(step, nbytes - off)
+            _touch(mv[off:off + n], n)
+            ahead = t0 + (off + n) / rate - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+        mv.release()
     _held.append(m)
     return nbytes
 

@@ -19,7 +19,7 @@ from cgroup_util import ChildCgroup, Worker, read_stat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bladed.residency.budget import Budgeter
+from bladed.residency.budget import REACTION_S, Budgeter
 from bladed.residency.cgroups import cgroup_from_path, locate_memory_cgroup, parse_mountinfo, parse_proc_cgroup
 
 MiB = 1 << 20
@@ -140,6 +140,11 @@ def test_headroom_keeps_part_of_the_limit_free(loaded_cgroup: Any) -> None:
         (kept.anon_shmem_bytes - full.anon_shmem_bytes) + (kept.mapped_bytes - full.mapped_bytes) + \
         (kept.charged_kernel_bytes - full.charged_kernel_bytes)
     assert "M_free=13)" in kept.describe()          # 12.8 MiB
+    # a rate: what a neighbour growing at 1 GiB/s takes while a demotion gets going, more than 2% of 256 MiB here
+    fast = Budgeter(copy_threads=1, pinned_per_thread_bytes=4 * MiB, pid=w.pid, headroom=0.02,
+                    absorb_rate=GiB).sample()
+    assert fast.free_bytes == int(GiB * REACTION_S) > int(0.02 * 256 * MiB)
+    assert full.pagecache_budget_bytes - fast.pagecache_budget_bytes >= fast.free_bytes - MiB
 
 
 @pytest.mark.root

@@ -456,7 +456,9 @@ def test_memory_pressure_shrinks_the_budget_without_an_oom_kill(tmp: str) -> Non
     geo = dict(GEOMETRIES[0], max_tokens=256)           # 1 MiB KPUs, 8 MiB of KV
     kpu = 1 << 20
     with ChildCgroup(512 << 20) as cg:
-        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path}, "device": {"size": "64M"}}
+        # the headroom fraction alone: the limit below leaves the daemon a few MiB, which budget.absorb_rate's floor
+        # for a neighbour's growth (25.6 MiB by default) would take whole (test_pagecache_memory.py tests that floor)
+        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path, "absorb_rate": 0}, "device": {"size": "64M"}}
         with DaemonProcess(tmp, cfg).start() as d:
             cg.add(d.pid)
             with Client(d.socket_path) as c:
@@ -500,7 +502,8 @@ def test_a_session_whose_staging_cannot_fit_the_memory_limit_is_refused_not_oom_
 
     geo = dict(GEOMETRIES[0], max_tokens=256)           # 1 MiB KPUs: a slot of 1 MiB per channel
     with ChildCgroup(512 << 20) as cg:
-        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path}, "device": {"size": "64M"}}
+        # the headroom fraction alone, as above: 10 MiB of room is all budget.absorb_rate's floor would keep free
+        cfg = {"budget": {"interval_s": 0.5, "cgroup": cg.path, "absorb_rate": 0}, "device": {"size": "64M"}}
         with DaemonProcess(tmp, cfg).start() as d:
             cg.add(d.pid)
             with Client(d.socket_path) as c:

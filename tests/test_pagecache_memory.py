@@ -30,12 +30,13 @@ from typing import Any
 
 import pytest
 from cgroup_util import ChildCgroup, Worker
-from daemon_util import DaemonProcess, short_tmpdir
+from daemon_util import DaemonProcess, logfmt_fields, short_tmpdir
 from test_daemon_startup import bladed, one_line, write_config
 from test_faults import oom_kills
 from test_replan_live import Model, open_models, pc_files
 
 from bladed.client import Client
+from bladed.spawn import cgroup_launcher
 from bladed.io.diskstats import BlockStat, block_stat_of
 from bladed.io.errors import BladedIOError
 from bladed.io.pagecache import PageCacheStore
@@ -287,6 +288,48 @@ def test_a_neighbour_taking_memory_makes_bladed_demote_not_the_kernel_kill(tmp: 
             assert oom_kills(cg.path) == 0
             m.sess.close()
         assert d.proc is not None and d.stop() == 0
+
+
+#: 2 MiB KPUs, 16 layers: 64 MiB of KV
+SPIKE_KV = dict(SMALL, layers=16, max_tokens=512)
+
+
+def usage_of(cg: ChildCgroup) -> int:
+    return int(pathlib.Path(cg.path, "memory.usage_in_bytes" if cg.version == "v1" else "memory.current").read_text())
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("placement", ["sibling", "own"])
+def test_a_neighbour_growing_fast_beside_memory_kv_lives(tmp: str, placement: str) -> None:
+    """Issue 46: a neighbour grows at 400 MiB/s by 64 MiB in a cgroup whose limit leaves 48 MiB (``sibling``: the
+    limit on the parent of the daemon's cgroup and the neighbour's; ``own``: one cgroup for both). The periodic
+    sample is an hour away: only the kernel's events can make bladed demote in time. The neighbour lives, the
+    demotions are the events', no more than the neighbour took plus the headroom, and every byte stays."""
+    with ChildCgroup(None) as parent:
+        mine = ChildCgroup(parent=parent) if placement == "sibling" else parent
+        theirs = ChildCgroup(parent=parent) if placement == "sibling" else parent
+        cfg = {"budget": {"interval_s": 3600.0}, "device": {"size": "256M"}}
+        with DaemonProcess(tmp, cfg, wrap=cgroup_launcher(mine.path)).start() as d, Client(d.socket_path) as c:
+            (m,) = open_models(c, [SPIKE_KV])
+            with Worker(theirs) as neighbour:
+                parent.set_limit(usage_of(parent) + (48 << 20))
+                free = c.budget()["sample"]["free_bytes"]     # a sample of the new limit: the watch arms for it
+                before = d.mark()
+                neighbour.call("anon", nbytes=64 << 20, rate=400 << 20)
+                stats = wait_idle(c)
+                assert neighbour.proc.poll() is None
+                assert sum(oom_kills(cg.path) for cg in {parent, mine, theirs}) == 0
+            rep = stats["replan"]
+            assert rep["demoted_kpus"] >= 1 and rep["demotions_failed"] == 0
+            reasons = {f["reason"] for f in map(logfmt_fields, d.lines_after(before)) if f.get("event") == "replan"}
+            assert reasons and reasons <= {"threshold", "pressure"}, reasons
+            assert rep["budget_samples"].get("periodic", 0) == 0
+            assert rep["demoted_bytes"] <= (64 << 20) + free
+            assert rep["reactions"] >= 1 and rep["reaction_max_s"] is not None
+            paths = m.check()                                  # every byte, on whichever path
+            assert sum(p == "direct" for p in paths.values()) == rep["demoted_kpus"]
+            m.sess.close()
+        assert d.stop() == 0
 
 
 @pytest.mark.root

@@ -6,10 +6,20 @@
 as bladed computes them (docs/architecture.md, "The page-cache budget"):
 
     M_mapped = max(0, M_file,mapped - M_shmem - M_kv)
-    M_free   = headroom * M_max      (where a cgroup limit gives M_max; else 0)
-    M*   = min(M_avail + M_kv,mem, M_max - (M_anon+shmem - M_kv,mem) - M_mapped - M_free)
+    M_kernel = max(0, M_usage - M_anon - M_shmem - M_file - k_kernel * M_kv)
+    M_free   = max(headroom * M_max, absorb_rate * REACTION_S)   (where a cgroup limit gives M_max; else 0)
+    M*   = min(M_avail + M_kv,mem,
+               min over every limited cgroup c from the daemon's up of
+                   M_max(c) - (M_anon+shmem(c) - M_kv,mem) - M_kernel(c) - M_mapped(c) - M_free(c))
     M_pin,uncharged = N_threads * M_pin + max(0, M_pin,others - (M_shmem - M_kv,mem))
     B_pc = max(0, M* - M_pin,uncharged) / (1 + k_kernel)
+
+Every limited cgroup on the path up binds, with its own usage: a limit set on a parent (a Kubernetes pod, a
+systemd slice with ``MemoryMax=``, a compose project's cgroup parent) is shared with the daemon's siblings, whose
+memory counts against it although none of it is charged to the daemon's cgroup.  The one with the least room is
+the *binding* cgroup; the breakdown's ``M_max``, ``M_anon+shmem``, ``M_kernel``, ``M_mapped`` and ``M_free`` are
+its figures.  ``M_kernel`` is the rest of what the kernel charged there (slab, page tables, stacks, sockets),
+which the KV cannot take either, less the share Eq. 2's ``k_kernel`` already reserves for bladed's disk files.
 
 ``M_mapped`` is the page cache the cgroup's processes map that is neither
 shmem nor bladed's own KV (``M_kv``, the page cache of the daemon's KV files):
@@ -43,12 +53,11 @@ The memory cgroup that is charged, ``M_max`` and ``M_anon+shmem`` come from
 :mod:`bladed.residency.cgroups`; ``M_avail`` is the host's MemAvailable (psutil),
 which ignores cgroups.
 
-:class:`Budgeter` samples on demand, periodically, and when the kernel
-reports memory pressure: a PSI trigger on ``memory.pressure`` (the cgroup's
-own on v2, the unified hierarchy's on hybrid hosts, ``/proc/pressure/memory``
-otherwise, or where the cgroup's file refuses a trigger, as it does to a
-systemd service's user) and, on v1, a ``memory.pressure_level`` eventfd of
-the cgroup.
+:class:`Budgeter` samples on demand, periodically, and at once on the kernel's memory events
+(:mod:`bladed.residency.watch`: usage thresholds of the limited cgroups where the budget would fall below what
+the live sessions hold, reclaim events, PSI triggers).  ``M_free`` is what a neighbour may take between such an
+event and the demotion it triggers: at least ``absorb_rate`` times the reaction time measured
+(:data:`REACTION_S`).
 """
 
 from __future__ import annotations
@@ -180,6 +189,11 @@ def _eq2(usable: int, shmem: int, copy_threads: int, pinned_per_thread: int, pin
 
 SampleCallback = Callable[[BudgetBreakdown], object]
 
+#: a kernel memory event -> the first KPU it made the daemon demote written and freed: the most measured on the
+#: 2-vCPU build VM with a neighbour faulting pages in at 4000 MiB/s beside it (docs/operations.md, "Memory"); what
+#: a neighbour growing at ``absorb_rate`` takes meanwhile is what M_free must hold
+REACTION_S = 0.025
+
 
 class Budgeter:
     """Computes ``B_pc`` for a memory cgroup and keeps it fresh.
@@ -204,7 +218,8 @@ class Budgeter:
                  mem_total: Callable[[], int] | None = None, hysteresis_bytes: int = 32 << 20,
                  pressure_level: str = "low", pinned_elsewhere_bytes: int = 0,
                  kernel_overhead: float = 0.0, own_kv_bytes: Callable[[], int] | None = None,
-                 headroom: float = 0.0, own_kv_memory_bytes: Callable[[], int] | None = None) -> None:
+                 headroom: float = 0.0, own_kv_memory_bytes: Callable[[], int] | None = None,
+                 absorb_rate: int = 0) -> None:
         if copy_threads < 0 or pinned_per_thread_bytes < 0 or pinned_elsewhere_bytes < 0:
             raise ValueError(f"copy_threads, pinned_per_thread_bytes and pinned_elsewhere_bytes must be >= 0, got "
                              f"{copy_threads}, {pinned_per_thread_bytes} and {pinned_elsewhere_bytes}")
@@ -224,6 +239,9 @@ class Budgeter:
         self.own_kv_bytes = own_kv_bytes
         self.own_kv_memory_bytes = own_kv_memory_bytes
         self.headroom = headroom
+        if absorb_rate < 0:
+            raise ValueError(f"absorb_rate must be >= 0, got {absorb_rate}")
+        self.absorb_rate = absorb_rate
         self.override_bytes = override_bytes
         self.cap_bytes = cap_bytes
         self.cgroup_path = cgroup_path
@@ -237,10 +255,17 @@ class Budgeter:
         self._last: BudgetBreakdown | None = None
         self._thread: threading.Thread | None = None
         self._stop_r = self._stop_w = -1
+        self._wake_r = self._wake_w = -1             # another thread's sample: re-arm the watch
         self._watch: MemoryWatch | None = None
         self._located: CgroupInfo | None = None
         self.stats = {"samples": 0, "periodic": 0, "pressure": 0, "threshold": 0, "changes": 0}
         self.locate()      # fail early on a bad path or pid
+
+    def free_bytes(self, limit: int) -> int:
+        """``M_free`` of a cgroup limited to ``limit``: the ``headroom`` fraction of it, and at least what a neighbour
+        growing at ``absorb_rate`` takes while a demotion it triggers is under way (:data:`REACTION_S`); never more
+        than half of the limit."""
+        return min(limit // 2, max(int(self.headroom * limit), int(self.absorb_rate * REACTION_S)))
 
     # -- sampling --------------------------------------------------------------
     def locate(self) -> CgroupInfo:
@@ -273,7 +298,7 @@ class Budgeter:
             # the rest of what is charged (slab, page tables, stacks, sockets) is not the KV's to take either;
             # the page cache's own share of it (k_kernel of bladed's disk files) is Eq. 2's
             kernel = max(0, lc.usage - lc.anon - lc.shmem - lc.file - int(self.kernel_overhead * own_kv))
-            free = int(self.headroom * lc.limit)
+            free = self.free_bytes(lc.limit)
             limits.append({"path": lc.path, "limit_bytes": lc.limit, "limit_source": lc.limit_source,
                            "usage_bytes": lc.usage, "usage_file": lc.usage_file, "anon_shmem_bytes": anon_shmem,
                            "kernel_bytes": kernel, "mapped_bytes": mapped, "free_bytes": free,
@@ -313,6 +338,11 @@ class Budgeter:
         with self._lock:
             self._last = b
             self.stats["samples"] += 1
+            thread, wake = self._thread, self._wake_w
+        if thread is not None and wake >= 0 and threading.current_thread() is not thread:
+            # a reader's sample (an open, the budget op): the watch re-arms for what it found (a new limit)
+            with contextlib.suppress(OSError):
+                os.write(wake, b"w")
         return b
 
     @property
@@ -345,6 +375,7 @@ class Budgeter:
         if interval_s <= 0:
             raise ValueError(f"interval must be positive, got {interval_s}")
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         info = self.locate()
         watch = MemoryWatch(info.version, self.pressure_level, os.path.join(self.proc_root, "pressure", "memory"))
         first = self.sample("start")
@@ -376,10 +407,10 @@ class Budgeter:
             os.write(self._stop_w, b"x")
         t.join()
         self._thread = None
-        for fd in (self._stop_r, self._stop_w):
+        for fd in (self._stop_r, self._stop_w, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._stop_r = self._stop_w = -1
+        self._stop_r = self._stop_w = self._wake_r = self._wake_w = -1
 
     def __enter__(self) -> Budgeter:
         return self
@@ -412,6 +443,7 @@ class Budgeter:
                     timeout = min(timeout, last_sample + RECLAIM_GAP_S - now)
                 poller = select.poll()
                 poller.register(self._stop_r, select.POLLIN)
+                poller.register(self._wake_r, select.POLLIN)
                 by_fd = {}
                 for armed in watch.sources():
                     poller.register(armed.fd, armed.events)
@@ -419,6 +451,12 @@ class Budgeter:
                 events = poller.poll(max(0.0, timeout) * 1000)
                 if any(fd == self._stop_r for fd, _ in events):
                     return
+                if any(fd == self._wake_r for fd, _ in events):
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 4096)
+                    last = self.last
+                    if last is not None:
+                        self._arm(watch, last, held_bytes)
                 now = time.monotonic()
                 reason = ""
                 for fd, ev in events:
@@ -452,6 +490,12 @@ class Budgeter:
                     next_due = time.monotonic() + interval_s
                     continue
                 self.stats[reason] += 1
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("budget sample (%s)", reason, extra=fields(
+                        pagecache_budget_bytes=b.pagecache_budget_bytes,
+                        held_bytes=held_bytes() if held_bytes is not None else 0,
+                        usage_bytes=",".join(str(d["usage_bytes"]) for d in b.limits) or "-",
+                        armed=",".join(str(v) for v in watch.armed.values()) or "-"))
                 last_sample = time.monotonic()
                 next_due = last_sample + interval_s
                 if on_sample is not None:

@@ -7,11 +7,11 @@ limit, or the OOM killer takes the neighbour.  After every sample of Eq. 1-2 (:m
 :class:`MemoryWatch` arms, for every limited cgroup of the reading:
 
 * a **usage threshold** at the usage where that cgroup's side of Eq. 1 would take ``B_pc`` below what the live
-  sessions hold (the growth ``g = (B_a - held) * (1 + k_kernel)`` from now): cgroup v1's
-  ``cgroup.event_control`` with ``memory.usage_in_bytes`` and an eventfd, which the kernel signals from the
-  charge path itself (every 128 pages charged per CPU); cgroup v2 has none, so there the usage file is read at
-  a period that shrinks with the distance to the threshold (``distance / POLL_RATE``, 2 ms at the least): a
-  growth of up to ``POLL_RATE`` is seen within one period;
+  sessions hold (the growth ``g = (B_a - held) * (1 + k_kernel)`` from now): its usage file is read at a period
+  that shrinks with the distance to the threshold (``distance / POLL_RATE``, 2 ms at the least, 250 ms at the
+  most: a growth of up to ``POLL_RATE`` is seen within one period), and on cgroup v1 the kernel signals the
+  threshold itself (``cgroup.event_control`` with ``memory.usage_in_bytes`` and an eventfd, from the charge path:
+  every 128 pages charged per CPU); cgroup v2 has no such event;
 * **reclaim events** for a cgroup already full of page cache, whose usage stays at the limit while anonymous
   memory displaces the cache: v1 ``memory.pressure_level`` (``low``: any reclaim), v2 ``memory.events``
   (``high``/``max`` counted: ``poll`` wakes on the file's change) and a PSI trigger on the cgroup's
@@ -42,6 +42,8 @@ POLL_MIN_S = 0.002
 POLL_MAX_S = 0.25
 #: a threshold is never armed closer than this above the usage (a cgroup over its budget re-samples every step)
 MIN_STEP = 2 << 20
+#: a v1 eventfd threshold is registered again only when the wanted one moved by more than this
+THRESHOLD_SLACK = 8 << 20
 #: reclaim-type events (pressure levels, memory.events, PSI) share one sample per this gap
 RECLAIM_GAP_S = 0.05
 #: PSI: 10 ms of stall in 500 ms where the daemon may use short windows (CAP_SYS_RESOURCE), else 200 ms in 2 s
@@ -105,7 +107,8 @@ class MemoryWatch:
         self.host_psi = host_psi if host_psi and os.path.exists(host_psi) else None
         self._static: dict[str, Source] = {}           # reclaim and PSI sources, by cgroup (armed once)
         self._thresholds: dict[str, tuple[int, Source]] = {}   # v1: path -> (threshold, its eventfd source)
-        self._polled: dict[str, _Polled] = {}           # v2 (or v1 without event_control): path -> usage poll
+        self._polled: dict[str, _Polled] = {}           # every limited cgroup: path -> its usage poll
+        self._no_eventfd: set[str] = set()              # v1 cgroups whose event_control refused a threshold
         self._next_poll = 0.0
         self.stats = {"threshold": 0, "reclaim": 0, "psi": 0, "poll": 0}
         self.armed: dict[str, int] = {}                 # path -> the usage threshold armed
@@ -113,7 +116,12 @@ class MemoryWatch:
     # -- arming --------------------------------------------------------------------------------------------
     def arm(self, want: dict[str, int]) -> None:
         """Arm the usage thresholds ``want`` (path -> bytes, :func:`thresholds`) and, once per cgroup, its reclaim
-        events; drop what no longer binds."""
+        events; drop what no longer binds.
+
+        Every limited cgroup's usage is polled at a period that shrinks with the distance to its threshold
+        (:meth:`poll_crossed`); on v1 an eventfd threshold wakes the thread too, re-registered only when the wanted
+        one moved by more than :data:`THRESHOLD_SLACK` (a registration waits for an RCU grace period, tens of
+        milliseconds on a busy box: not a cost to pay at every step of a spike, where the poll is every 2 ms)."""
         for path in list(self._thresholds):
             if path not in want:
                 self._thresholds.pop(path)[1].close()
@@ -124,18 +132,20 @@ class MemoryWatch:
         for path, threshold in want.items():
             if path not in self._static:
                 self._arm_static(path)
-            if self.version == "v1" and path not in self._polled:
-                old = self._thresholds.get(path)
-                if old is not None and old[0] == threshold:
-                    continue
-                src = self._arm_threshold(path, threshold)
-                if old is not None:
-                    old[1].close()
-                if src is not None:
-                    self._thresholds[path] = (threshold, src)
-                    continue
-                self._thresholds.pop(path, None)
             self._arm_poll(path, threshold)
+            if self.version != "v1" or path in self._no_eventfd:
+                continue
+            old = self._thresholds.get(path)
+            if old is not None and abs(old[0] - threshold) <= THRESHOLD_SLACK:
+                continue
+            src = self._arm_threshold(path, threshold)
+            if old is not None:
+                old[1].close()
+            if src is None:
+                self._thresholds.pop(path, None)
+                self._no_eventfd.add(path)
+            else:
+                self._thresholds[path] = (threshold, src)
         self.armed = dict(want)
         if self.host_psi is not None and "host" not in self._static:
             src = self._arm_psi(self.host_psi, "host")
@@ -153,8 +163,9 @@ class MemoryWatch:
             for fd in (efd, ufd):
                 if fd >= 0:
                     os.close(fd)
-            log.info("memory watch: no usage threshold on %s (%s); polling its usage", path, e)
+            log.info("memory watch: no usage threshold on %s (%s); its usage is polled", path, e)
             return None
+        log.debug("memory watch: usage threshold %d armed on %s (eventfd %d)", threshold, path, efd)
         return Source(f"v1-threshold:{path}", efd, select.POLLIN, "threshold", [efd, ufd], eventfd=True)
 
     def _arm_poll(self, path: str, threshold: int) -> None:
@@ -168,7 +179,7 @@ class MemoryWatch:
                 return
             p = self._polled[path] = _Polled(path, fd, threshold)
         p.threshold = threshold
-        self._next_poll = 0.0             # measure at once against the new threshold
+        self._next_poll = 0.0             # measure at once against the new threshold (it may be crossed already)
 
     def _arm_static(self, path: str) -> None:
         src: Source | None = None
@@ -246,6 +257,7 @@ class MemoryWatch:
             with contextlib.suppress(OSError):
                 os.pread(src.fd, 4096, 0)          # re-arms the change notification
         self.stats[src.kind] += 1
+        log.debug("memory watch: %s fired (fd %d)", src.name, src.fd)
         return src.kind
 
     def poll_crossed(self, now: float) -> bool:

@@ -138,7 +138,9 @@ class BudgetSampler:
                 self._budgeter = Budgeter(0, 0, override_bytes=c.override, cap_bytes=c.cap,
                                           cgroup_path=c.cgroup or None, pinned_elsewhere_bytes=self.staging_bytes(),
                                           kernel_overhead=c.kernel_overhead, own_kv_bytes=self.own_kv_bytes,
-                                          headroom=c.headroom, own_kv_memory_bytes=self.own_kv_memory_bytes)
+                                          headroom=c.headroom, own_kv_memory_bytes=self.own_kv_memory_bytes,
+                                          # memory files are what the kernel cannot reclaim: the floor is theirs
+                                          absorb_rate=c.absorb_rate if self.cfg.group1_backing == "memory" else 0)
             return self._budgeter
 
     def _keep(self, b: BudgetBreakdown) -> BudgetBreakdown:
