@@ -147,13 +147,14 @@ def test_sweep_with_sparse_reads(store_dir: str, tmp_path: pathlib.Path) -> None
     pages = {"2": [[0, 3, 4, 7], [0, 3, 5, 7], [0, 1, 2, 7, 8], [0, 1, 2, 7, 8]],
              "3": [[0, 6, 7], [0, 6, 7], [0, 6, 7, 8], [0, 5, 7, 8]]}
     trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"schema": "bladed.kvselect_trace/1", "page": page, "dense_layers": 2,
+    trace.write_text(json.dumps({"schema": "bladed.kvselect_trace/1", "spec": f"keys:0.5,page={page}",
+                                 "page": page, "dense_layers": 2,
                                  "first_position": prompt_len, "steps": gen - 1, "pages": pages}))
     js = str(tmp_path / "kv-sweep-select.json")
     geometry = ["--layers", "4", "--batch", "1", "--kv-heads", "4", "--head-dim", "512", "--prompt-len",
                 str(prompt_len), "--gen-len", str(gen)]
-    rc = main(["sweep", *geometry, "--configs", "dualblade,dualblade@sel", "--select", f"keys:0.5,page={page}",
-               "--select-trace", str(trace), "--limits", "0.25", "--pp-limits", "", "--alphas", "",
+    rc = main(["sweep", *geometry, "--configs", "dualblade,dualblade@sel", "--select-trace", str(trace),
+               "--limits", "0.25", "--pp-limits", "", "--alphas", "",
                "--noreplan-limits", "", "--reps", "1", "--no-drop", "--no-settle", "--fio-size", "8M",
                "--pc-probe-size", "8M", "--workdir", os.path.join(store_dir, "w"), "--json", js])
     assert rc == 0
@@ -171,7 +172,7 @@ def test_sweep_with_sparse_reads(store_dir: str, tmp_path: pathlib.Path) -> None
             held[layer] = {p for p in sel if p < ntok // page}
             read_pages += len(miss)
             read_tokens += sum(min(page, ntok - p * page) for p in miss)
-    sel_run = runs["dualblade@sel"]
+    sel_run = runs[f"dualblade@keys:0.5,page={page}"]
     assert sel_run["bytes"]["decode_read"] == 2 * (2 * sum(dense) + read_tokens) * row
     assert sel_run["select"]["pages_read"] == read_pages
     assert sel_run["select"]["pages"] == sum(len(p) for layer in pages.values() for p in layer)

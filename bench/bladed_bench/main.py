@@ -84,6 +84,15 @@ def _configs(text: str) -> list[str]:
     return out
 
 
+def _trace_spec(path: str) -> str:
+    """The ``bladed.kvselect`` spec a selection trace was recorded with."""
+    try:
+        with open(path) as f:
+            return str(json.load(f)["spec"])
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--select-trace {path}: not a trace of tools/bench_kv_select.py --trace ({e})") from None
+
+
 def _spec(a: argparse.Namespace, pipeline: str) -> WorkloadSpec:
     return WorkloadSpec(layers=a.layers, batch=a.batch, kv_heads=a.kv_heads, head_dim=a.head_dim,
                         dtype_bytes=a.dtype_bytes, prompt_len=a.prompt_len, gen_len=a.gen_len, channels=a.channels,
@@ -111,14 +120,14 @@ def cmd_sweep(a: argparse.Namespace) -> int:
                          alphas=a.alphas, kv_bytes=spec.kv_bytes, kpu_bytes=spec.kpu_bytes,
                          headroom_limits=[int(x * GiB) for x in a.headroom_limits], headroom_frac=a.headroom_frac,
                          alpha_dma=a.alpha_dma, noreplan_limits=[int(x * GiB) for x in a.noreplan_limits],
-                         portable_limits=[int(x * GiB) for x in a.portable_limits])
+                         portable_limits=[int(x * GiB) for x in a.portable_limits],
+                         select_traces=[(_trace_spec(t), t) for t in a.select_trace or []])
     plan = SweepPlan(spec=spec, points=pts, reps=a.reps, workdir=a.workdir, fio_size=a.fio_size,
                      pc_probe_size=a.pc_probe_size, drop=not a.no_drop, keep_series=a.keep_series,
                      settle=not a.no_settle, memory_settle=not a.no_memory_settle,
-                     codec_charge=a.codec_charge == "measured", notes={"argv": sys.argv[1:]},
-                     select=a.select or "", select_trace=a.select_trace or "")
-    if any(p.select for p in pts) != bool(a.select and a.select_trace):
-        raise SystemExit("--select and --select-trace go with configurations named <config>@sel (and they with them)")
+                     codec_charge=a.codec_charge == "measured", notes={"argv": sys.argv[1:]})
+    if any(c.endswith("@sel") for c in a.configs) != bool(a.select_trace):
+        raise SystemExit("--select-trace goes with configurations named <config>@sel (and they with it)")
     if os.geteuid() != 0:
         print("warning: not root: no memory cgroups (the limits are not applied) and caches are not dropped",
               file=sys.stderr)
@@ -185,12 +194,12 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
                    help="comma-separated; each may name a KV format: dualblade-q8, dualblade-q4, baseline-q8 "
                         "(issue 31; the runs are charged this CPU's measured quantize/dequantize time, unless "
                         "--codec-charge none), and end in @sel for --select's sparse reads: dualblade@sel")
-    s.add_argument("--select", default=None, metavar="SPEC",
-                   help="sparse decode reads of the configurations named <config>@sel (issue 47, docs/kv-select.md): "
-                        "a bladed.kvselect spec, e.g. keys:0.25 (its page, dense layers and reuse apply)")
-    s.add_argument("--select-trace", default=None, metavar="FILE",
-                   help="the pages a model selected per layer and position, which the @sel runs read "
-                        "(tools/bench_kv_select.py --trace SPEC --trace-prompt PROMPT_LEN --out FILE)")
+    s.add_argument("--select-trace", default=None, type=lambda t: [x for x in t.split(",") if x],
+                   metavar="FILE[,FILE...]",
+                   help="sparse decode reads (issue 47, docs/kv-select.md) of the configurations named <config>@sel: "
+                        "one point per file, each the pages a model selected per layer and position with its spec "
+                        "(tools/bench_kv_select.py --trace SPEC --trace-prompt PROMPT_LEN --out FILE); the spec's "
+                        "page, dense layers and reuse apply")
     s.add_argument("--pipelines", type=_names(PIPELINES), default=["adaptive", "off"],
                    help="first: the main sweep's; the others for the on/off and alpha studies")
     s.add_argument("--pp-limits", type=_floats, default=[1.0], help="limits (GiB) of the P·P on/off study")

@@ -83,13 +83,15 @@ class Point:
     live_replan: bool | None = None  # None: the daemon's default (budget.live_replan)
     engine: str | None = None        # None: the daemon's default (io.engine = "auto")
     kv_format: str | None = None     # None: plain rows of the workload's dtype; else q8, q4, fp16, ... (issue 31)
-    select: bool = False             # the plan's sparse decode reads (SweepPlan.select; issue 47)
+    select: str = ""                 # sparse decode reads (issue 47): a bladed.kvselect spec, "" for none
+    select_trace: str = ""           # and the JSON of the pages a model selected with it
 
     @property
     def name(self) -> str:
-        """The configuration as the sweep's ``--configs`` names it (``dualblade``, ``dualblade-q8``,
-        ``dualblade@sel``)."""
-        return self.config + (f"-{self.kv_format}" if self.kv_format else "") + ("@sel" if self.select else "")
+        """The configuration as the sweep's ``--configs`` names it (``dualblade``, ``dualblade-q8``), with its
+        selection (``dualblade@keys:0.25,...``)."""
+        return self.config + (f"-{self.kv_format}" if self.kv_format else "") + (f"@{self.select}" if self.select
+                                                                                 else "")
 
     @property
     def round_key(self) -> tuple[str, int | None, float | None]:
@@ -114,10 +116,6 @@ class SweepPlan:
     #: runs on a GPU at hundreds of GB/s sees, the storage side alone
     codec_charge: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
-    #: the ``@sel`` points' sparse decode reads: a ``bladed.kvselect`` spec and the trace of the pages a model
-    #: selected (``WorkloadSpec.select`` / ``select_trace``)
-    select: str = ""
-    select_trace: str = ""
 
     @property
     def settles_memory(self) -> bool:
@@ -156,17 +154,22 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
                    kpu_bytes: int = 0, alpha_headroom: int = 256 * MiB, headroom_limits: list[int] | None = None,
                    headroom_frac: float = 0.05, alpha_dma: str | None = None,
                    noreplan_limits: list[int] | None = None,
-                   portable_limits: list[int] | None = None) -> list[Point]:
+                   portable_limits: list[int] | None = None,
+                   select_traces: list[tuple[str, str]] | None = None) -> list[Point]:
     """The main sweep, the pipeline on/off study, the budget-headroom and no-live-replan diagnostics and
-    the Table V study."""
-    def point(study: str, name: str, pipeline: str, lim: int) -> Point:
+    the Table V study. A configuration named ``<config>@sel`` is one point per ``(spec, trace)`` of
+    ``select_traces`` (the sparse decode reads the trace recorded)."""
+    def point(study: str, name: str, pipeline: str, lim: int) -> list[Point]:
         config, fmt = split_config(name)
-        return Point(study, config, pipeline, lim, kv_format=fmt, select=name.endswith("@sel"))
+        if not name.endswith("@sel"):
+            return [Point(study, config, pipeline, lim, kv_format=fmt)]
+        return [Point(study, config, pipeline, lim, kv_format=fmt, select=spec, select_trace=path)
+                for spec, path in select_traces or []]
 
-    pts = [point("sweep", c, pipelines[0], lim) for lim in limits for c in configs]
+    pts = [p for lim in limits for c in configs for p in point("sweep", c, pipelines[0], lim)]
     for lim in pp_limits or []:
         for pl in pipelines[1:]:
-            pts.extend(point("pipeline", c, pl, lim) for c in configs)
+            pts.extend(p for c in configs for p in point("pipeline", c, pl, lim))
     for lim in headroom_limits or []:
         pts.append(Point("headroom", "dualblade", pipelines[0], lim,
                          budget_override=headroom_override(lim, kpu_bytes, headroom_frac)))
@@ -320,7 +323,7 @@ class SweepRunner:
     def run_point(self, p: Point, rep: int, keep_series: bool) -> dict[str, Any]:
         spec = replace(self.plan.spec, pipeline=p.pipeline, dma=p.dma or self.plan.spec.dma)
         if p.select:
-            spec = replace(spec, select=self.plan.select, select_trace=self.plan.select_trace)
+            spec = replace(spec, select=p.select, select_trace=p.select_trace)
         if p.kv_format:
             rates = self.codec[p.kv_format] if self.plan.codec_charge else {"quantize_gbps": 0.0,
                                                                               "dequantize_gbps": 0.0}
