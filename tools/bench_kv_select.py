@@ -412,6 +412,47 @@ def load_cost(model: DecoderModel, ids: list[int], tokens: int, reps: int = 7) -
     return out
 
 
+# -- the tables ---------------------------------------------------------------------------------------------
+def render(doc: dict[str, Any]) -> str:
+    """The Markdown tables of an accuracy JSON: per family and budget, the text metrics at each length (and both
+    together), the read share and the reuse hit rate; the passkey accuracy per length and depth; the summary."""
+    text = doc["text"]
+    lengths = sorted(text, key=int)
+    names = list(next(iter(text.values()))["configs"])
+    lines = ["| selector | share of the pages | " + " | ".join(
+        f"{n} ppl / KL / top-1" for n in lengths) + " | pages read (all layers) | reuse hit rate |",
+        "| --- | --- |" + " --- |" * len(lengths) + " --- | --- |"]
+    for name in names:
+        fam = name.partition("@")[0]
+        sp = parse_select(text[lengths[0]]["configs"][name]["spec"])
+        budget = sp.fraction if sp.fraction is not None else f"{sp.tokens}t"
+        cells = []
+        for n in lengths:
+            r = text[n]["configs"][name]
+            cells.append(f"{r['ppl_rel']:+.2%} / {r['kl']:.4f} / {r['top1']:.3f}")
+        r0 = [text[n]["configs"][name] for n in lengths]
+        share = statistics.fmean(r["share_all_layers"] for r in r0)
+        hit = [r["reuse_hit_rate"] for r in r0 if r["reuse_hit_rate"] is not None]
+        lines.append(f"| {fam} | {budget:g} | " + " | ".join(cells) +
+                     f" | {share:.3f} | {statistics.fmean(hit) if hit else float('nan'):.2f} |")
+    out = ["\n".join(lines)]
+    if doc.get("passkey"):
+        for n, r in sorted(doc["passkey"].items(), key=lambda kv: int(kv[0])):
+            acc = r["accuracy"]
+            depths = list(acc["exact"])
+            rows = [f"Passkey at {n} tokens ({r['trials_per_depth']} keys per depth), accuracy per depth:", "",
+                    "| attention | " + " | ".join(f"{float(d):.0%}" for d in depths) + " |",
+                    "| --- |" + " --- |" * len(depths)]
+            for name, by in acc.items():
+                rows.append(f"| {name} | " + " | ".join(f"{by[d]:.2f}" for d in depths) + " |")
+            out.append("\n".join(rows))
+    summ = doc.get("summary") or {}
+    out.append("Smallest share meeting the target at every length (ppl within +1%, KL <= 0.01, top-1 >= 0.97, "
+               "passkey equal to exact's): " + ", ".join(
+                   f"{fam} {rec['smallest_share_meeting_target']}" for fam, rec in summ.items()))
+    return "\n\n".join(out)
+
+
 # -- the run ----------------------------------------------------------------------------------------------
 def configs_from(args: argparse.Namespace) -> dict[str, SelectSpec]:
     if args.configs:
@@ -483,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-cost", type=int, default=0, metavar="TOKENS",
                    help="instead of the accuracy run: the seconds to rebuild the selector's state from a reused "
                         "prefix of TOKENS tokens read back, against their prefill (a timing: hold the bench lock)")
+    p.add_argument("--render", default=None, metavar="JSON", help="print the Markdown tables of an accuracy JSON")
     p.add_argument("--trace-prompt", type=int, default=4096)
     p.add_argument("--trace-steps", type=int, default=16)
     p.add_argument("--note", action="append", default=[])
@@ -494,6 +536,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
+
+    if a.render:
+        with open(a.render) as f:
+            print(render(json.load(f)))
+        return 0
 
     torch.manual_seed(0)
     lm = load_model("smollm2", torch.float32)
