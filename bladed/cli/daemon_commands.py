@@ -225,15 +225,20 @@ def budget() -> None:
         kv([
             ("host available (M_avail)", f"{size(s.get('host_available_bytes'))}  (host MemAvailable)"),
             ("memory limit (M_max)", f"{size(s.get('memory_limit_bytes'))}  ({s.get('memory_limit_source')})"),
-            ("anon + shmem (M_anon+shmem)", f"{size(s.get('anon_shmem_bytes'))}  (anon {size(s.get('anon_bytes'))}, "
+            ("binding cgroup", f"{s.get('binding_cgroup') or 'none (the host binds)'}"
+                               + ("  (a cgroup above bladed's: its other children count)"
+                                  if s.get("binding_cgroup") not in (None, "", s.get("cgroup")) else "")),
+            ("anon + shmem (M_anon+shmem)", f"{size(s.get('anon_shmem_bytes'))}  of the binding cgroup, bladed's KV in "
+                                            f"memory files out (bladed's cgroup: anon {size(s.get('anon_bytes'))}, "
                                             f"shmem {size(s.get('shmem_bytes'))})"),
+            ("kernel (M_kernel)", f"{size(s.get('charged_kernel_bytes'))}  (slab, page tables, stacks charged there)"),
             ("mapped, kept (M_mapped)", f"{size(s.get('mapped_bytes'))}  (mapped page cache "
                                         f"{size(s.get('file_mapped_bytes'))} less shmem and bladed's KV "
                                         f"{size(s.get('own_kv_bytes'))}: the processes' code and files)"),
-            ("kept free (M_free)", f"{size(s.get('free_bytes'))}  ({s.get('headroom')} of M_max where a cgroup "
-                                   f"limits)"),
-            ("usable (M*)", f"{size(s.get('usable_bytes'))}  = min(M_avail, M_max - M_anon+shmem - M_mapped - M_free)"
-                            f"  [Eq. 1, {s.get('binding')} binds]"),
+            ("kept free (M_free)", f"{size(s.get('free_bytes'))}  (max of {s.get('headroom')} of M_max and "
+                                   f"budget.absorb_rate x 25 ms, where a cgroup limits)"),
+            ("usable (M*)", f"{size(s.get('usable_bytes'))}  = min(M_avail, M_max - M_anon+shmem - M_kernel - "
+                            f"M_mapped - M_free)  [Eq. 1, {s.get('binding')} binds]"),
             ("staging (M_pin,others)", f"{size(s.get('pinned_elsewhere_bytes'))}  (of the open sessions; "
                                        f"{size(s.get('pinned_uncharged_bytes'))} not yet charged as shmem)"),
             ("page-cache budget (B_pc)", f"{size(s.get('pagecache_budget_bytes'))}  = max(0, M* - uncharged staging) "

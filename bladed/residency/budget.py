@@ -256,6 +256,8 @@ class Budgeter:
         self._thread: threading.Thread | None = None
         self._stop_r = self._stop_w = -1
         self._wake_r = self._wake_w = -1             # another thread's sample: re-arm the watch
+        self._armed = 0                               # the watch's arms so far (a reader waits for the next one)
+        self._armed_cond = threading.Condition(self._lock)
         self._watch: MemoryWatch | None = None
         self._located: CgroupInfo | None = None
         self.stats = {"samples": 0, "periodic": 0, "pressure": 0, "threshold": 0, "changes": 0}
@@ -338,11 +340,14 @@ class Budgeter:
         with self._lock:
             self._last = b
             self.stats["samples"] += 1
-            thread, wake = self._thread, self._wake_w
+            thread, wake, seq = self._thread, self._wake_w, self._armed
         if thread is not None and wake >= 0 and threading.current_thread() is not thread:
-            # a reader's sample (an open, the budget op): the watch re-arms for what it found (a new limit)
+            # a reader's sample (an open, the budget op): the watch re-arms for what it found (a new limit) before
+            # the reader goes on (a sub-millisecond wait; bounded, should the thread be busy)
             with contextlib.suppress(OSError):
                 os.write(wake, b"w")
+            with self._armed_cond:
+                self._armed_cond.wait_for(lambda: self._armed != seq or self._thread is None, timeout=0.5)
         return b
 
     @property
@@ -406,7 +411,9 @@ class Budgeter:
         with contextlib.suppress(OSError):
             os.write(self._stop_w, b"x")
         t.join()
-        self._thread = None
+        with self._armed_cond:
+            self._thread = None
+            self._armed_cond.notify_all()
         for fd in (self._stop_r, self._stop_w, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -425,6 +432,9 @@ class Budgeter:
                                  b.override_bytes is not None))
         except OSError as e:
             log.warning("budget: cannot arm the memory watch: %s", e)
+        with self._armed_cond:
+            self._armed += 1
+            self._armed_cond.notify_all()
 
     def _run(self, interval_s: float, on_change: SampleCallback | None, on_sample: SampleCallback | None,
              watch: MemoryWatch, first: BudgetBreakdown, held_bytes: Callable[[], int] | None) -> None:

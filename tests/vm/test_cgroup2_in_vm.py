@@ -125,7 +125,12 @@ def test_every_budget_term_matches_the_kernel_files(worker_cgroup: Any) -> None:
     # the page cache the worker maps (v2's file_mapped counts its shmem too) stays out of the budget
     assert b.file_mapped_bytes == s["file_mapped"] and b.mapped_bytes == max(0, s["file_mapped"] - s["shmem"])
     assert b.free_bytes == 0                                                            # no headroom asked
-    assert b.usable_bytes == min(b.host_available_bytes, 192 * MiB - b.anon_shmem_bytes - b.mapped_bytes)  # Eq. 1
+    # the kernel's other charges (slab, page tables, ...): what memory.current has beyond anon and file
+    current = int(Path(inner.path, "memory.current").read_text())
+    assert abs(b.charged_kernel_bytes - (current - s["anon"] - s["file"])) <= MiB
+    assert b.usable_bytes == min(b.host_available_bytes, 192 * MiB - b.anon_shmem_bytes - b.charged_kernel_bytes
+                                 - b.mapped_bytes)                                      # Eq. 1
+    assert b.binding_cgroup == inner.path and [d["path"] for d in b.limits] == [inner.path, _outer.path]
     assert b.binding == "cgroup"                                                        # 2 GiB guest
     assert b.pagecache_budget_bytes == max(0, b.usable_bytes - 2 * 8 * MiB) == b.pagecache_budget_computed_bytes
 
@@ -161,8 +166,10 @@ def test_a_psi_event_wakes_the_sampler(worker_cgroup: Any) -> None:
     budgeter.start(interval_s=3600, on_sample=on_sample)      # the period alone would never fire
     grower = threading.Thread(target=w.call, args=("anon",), kwargs={"nbytes": 64 * MiB})
     try:
-        # the cgroup's own PSI trigger, and no v1 memory.pressure_level source
-        assert budgeter.sources == [f"psi:{inner.path}/memory.pressure"]
+        # the cgroup's own PSI trigger (and the host's), its memory.events and its usage, and no v1 source
+        sources = budgeter.sources
+        assert f"psi:{inner.path}/memory.pressure" in sources and f"v2-events:{inner.path}" in sources, sources
+        assert f"poll:{inner.path}" in sources and not any(x.startswith("v1-") for x in sources), sources
         # memory.high below what the worker is about to hold: with no swap, reclaim cannot bring it
         # back, and the kernel throttles the worker (memory stall) until memory.high is lifted
         Path(inner.path, "memory.high").write_text(str(128 * MiB))

@@ -29,7 +29,9 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,12 +42,13 @@ from nvmevm import NG_PATH, ng_path
 from systemdvm import TIMEOUT, UNPRIVILEGED_PASSTHROUGH, JournalWatch, disk, run, show, start, systemd_problem
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from daemon_util import ClientProcess, forked_as, toml_text
+from daemon_util import ClientProcess, forked_as, pattern, toml_text
 
 from bladed.client import Client
 from bladed.io import Engine, StagingBuffer
 from bladed.io.nvme import NvmeDevice
 from bladed.protocol import PermissionDeniedError
+from bladed.residency.budget import REACTION_S
 
 pytestmark = pytest.mark.systemd_vm
 
@@ -89,13 +92,14 @@ def paths_dropin() -> str:
     return "\n".join(lines) + "\n"
 
 
-def config(lba: int, **extra: dict[str, Any]) -> str:
+def config(lba: int, *, measured: bool = False, **extra: dict[str, Any]) -> str:
+    """The daemon's configuration; ``measured``: B_pc from Eq. 1-2, not a fixed ``budget.override``."""
     sections: dict[str, dict[str, Any]] = {
         "daemon": {"state_dir": "/var/lib/bladed"},
         "device": {"backend": "nvme", "path": "/dev/bladed/kv", "lba_size": lba, "region_blocks": 64 * MiB // lba},
         "socket": {"path": SOCKET, "mode": "0660", "group": "bladed"},
         "access": {"allowed_gids": [grp.getgrnam("bladed").gr_gid]},
-        "budget": {"override": 2 * KPU},
+        "budget": {} if measured else {"override": 2 * KPU},
     }
     for section, keys in extra.items():
         sections.setdefault(section, {}).update(keys)
@@ -242,7 +246,8 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
             st = admin.status()
             assert st["device"]["kind"] == "nvme" and st["budget"]["cgroup"] == CGROUP
             assert st["budget"]["cgroup_version"] == "v2"
-            # the unit's memory.pressure is root's: the daemon's PSI trigger is on the host's pressure
+            # the unit's memory.pressure is root's: the daemon's PSI trigger is on the host's pressure; with no
+            # limit on the way up, nothing of the unit's cgroup is watched
             assert admin.stats()["replan"]["sources"] == ["psi:/proc/pressure/memory"]
 
             # -- I/O through the hardened unit: io_uring passthrough on the namespace ------------------
@@ -265,10 +270,15 @@ def test_start_io_memory_knob_reload_and_stop(stopped: dict[str, Any]) -> None:
                 assert Path(CGROUP, "memory.high").read_text().strip() == str(300 * MiB)
                 s = admin.budget()["sample"]
                 assert (s["memory_limit_bytes"], s["memory_limit_source"]) == (300 * MiB, f"{CGROUP}/memory.high"), s
-                # Eq. 1 with the page cache the unit maps kept and budget.headroom (0.02) of the limit left free
-                assert s["free_bytes"] == int(0.02 * 300 * MiB) and s["mapped_bytes"] >= 0
+                # Eq. 1 with the page cache the unit maps kept, the kernel's other charges, and M_free left free:
+                # budget.headroom (0.02) of the limit, at least budget.absorb_rate's floor (1 GiB/s x 25 ms)
+                assert s["free_bytes"] == max(int(0.02 * 300 * MiB), int((1 << 30) * REACTION_S))
+                assert s["mapped_bytes"] >= 0 and s["charged_kernel_bytes"] >= 0
                 assert s["usable_bytes"] == min(s["host_available_bytes"], 300 * MiB - s["anon_shmem_bytes"]
-                                                - s["mapped_bytes"] - s["free_bytes"])
+                                                - s["charged_kernel_bytes"] - s["mapped_bytes"] - s["free_bytes"])
+                # the unit's cgroup is limited now: the memory watch follows it (its usage, its memory.events)
+                sources = admin.stats()["replan"]["sources"]
+                assert f"poll:{CGROUP}" in sources and f"v2-events:{CGROUP}" in sources, sources
                 # the session's Group 1 (2 KPUs in memory files: pagecache.backing = "memory") is charged to the
                 # unit as shmem, and the daemon counts it as its own KV in memory (M_kv,mem, out of M_anon+shmem)
                 assert s["shmem_bytes"] >= 2 * KPU and s["own_kv_memory_bytes"] == 2 * KPU
@@ -320,4 +330,80 @@ def test_metrics_on_tcp_with_the_dropin(stopped: dict[str, Any]) -> None:
         run("systemctl", "stop", "bladed.service")
     finally:
         (ETC_DROPINS / "metrics-tcp.conf").unlink()
+        run("systemctl", "daemon-reload")
+
+
+#: the slice the spike test puts bladed in, beside a neighbour's scope: its MemoryMax= binds both
+SPIKE_SLICE = "bladed-spike.slice"
+#: 8 MiB KPUs, 3 layers: 48 MiB of KV, every KPU in memory files
+SPIKE_GEOMETRY = dict(GEOMETRY, max_tokens=2048)
+
+
+def test_a_neighbour_in_the_slice_lives_beside_memory_kv(stopped: dict[str, Any]) -> None:
+    """Issue 46 under systemd: bladed.service in a slice with ``MemoryMax=`` (a slice above it, as an operator sets
+    one), a neighbour in a scope of the same slice growing at 50 MiB/s by 35% of the limit. bladed's own cgroup
+    has no limit: the slice's binds, and the neighbour's memory counts against it; the memory watch (v2: the
+    slice's usage, its memory.events) sees the growth and bladed demotes before the OOM killer would act."""
+    slice_cg = f"/sys/fs/cgroup/{SPIKE_SLICE}"
+    (ETC_DROPINS / "test-slice.conf").write_text(f"[Service]\nSlice={SPIKE_SLICE}\n")
+    CONFIG.write_text(config(stopped["lba"], measured=True))
+    neighbour: subprocess.Popen[str] | None = None
+    try:
+        run("systemctl", "daemon-reload")
+        with JournalWatch("bladed.service") as journal:
+            start("bladed.service")
+            with Client(SOCKET) as admin:
+                st = admin.status()
+                assert st["budget"]["cgroup"] == f"{slice_cg}/bladed.service", st["budget"]
+                sess = admin.open_session(SPIKE_GEOMETRY, channels=1)
+                assert {k["path"] for k in sess.plan["kpus"]} == {"pagecache"}, sess.plan
+                for layer in range(SPIKE_GEOMETRY["layers"]):
+                    for kind in "kv":
+                        sess.slot(0)[:] = pattern(7, layer, kind, sess.kpu_bytes)
+                        sess.write(layer, kind, 0)
+                limit = int(Path(slice_cg, "memory.current").read_text()) + 40 * MiB
+                run("systemctl", "set-property", "--runtime", SPIKE_SLICE, f"MemoryMax={limit}")
+                s = admin.budget()["sample"]          # a sample of the new limit: the watch arms for it
+                assert (s["binding_cgroup"], s["memory_limit_bytes"]) == (slice_cg, limit), s
+                assert f"poll:{slice_cg}" in admin.stats()["replan"]["sources"]
+                before = journal.mark()
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "bench")]))
+                grow = int(0.35 * limit)
+                neighbour = subprocess.Popen(
+                    ["systemd-run", "--scope", "--quiet", f"--slice={SPIKE_SLICE}", sys.executable, "-m",
+                     "bladed_bench.spike", "neighbour", str(grow), str(50 * MiB), str(1 * MiB)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                assert neighbour.stdin is not None and neighbour.stdout is not None
+                assert neighbour.stdout.readline().strip() == "ready"
+                neighbour.stdin.write("go\n")
+                neighbour.stdin.flush()
+                held = neighbour.stdout.readline().strip()
+                assert held.startswith("held "), f"the neighbour died growing by {grow >> 20} MiB: {held!r}"
+                journal.wait(r"event=kpu_demoted ", after=before)
+                deadline = time.monotonic() + TIMEOUT
+                while any(r.get("pending_demotions") for r in admin.sessions()):
+                    assert time.monotonic() < deadline, "demotions still pending"
+                    time.sleep(0.05)          # the demotion worker has no event a client can wait on
+                assert neighbour.poll() is None
+                events = dict(ln.split() for ln in Path(slice_cg, "memory.events").read_text().splitlines())
+                assert events["oom_kill"] == "0", events
+                replans = [ln for ln in journal.lines[before:journal.mark()] if "event=replan " in ln]
+                assert replans and all(re.search(r"reason=(threshold|pressure)", ln) for ln in replans), replans
+                rep = admin.stats()["replan"]
+                assert rep["demoted_kpus"] >= 1 and rep["demotions_failed"] == 0
+                assert rep["demoted_bytes"] <= grow + s["free_bytes"]
+                # every byte, on whichever path
+                for layer in range(SPIKE_GEOMETRY["layers"]):
+                    for kind in "kv":
+                        sess.slot(0)[:] = bytes(sess.kpu_bytes)
+                        sess.read(layer, kind, 0)
+                        assert bytes(sess.slot(0)) == pattern(7, layer, kind, sess.kpu_bytes), f"{kind}{layer}"
+                sess.close()
+    finally:
+        if neighbour is not None and neighbour.poll() is None:
+            neighbour.communicate("exit\n", timeout=TIMEOUT)
+        run("systemctl", "stop", "bladed.service")
+        run("systemctl", "set-property", "--runtime", SPIKE_SLICE, "MemoryMax=infinity", check=False)
+        (ETC_DROPINS / "test-slice.conf").unlink()
+        CONFIG.write_text(config(stopped["lba"]))
         run("systemctl", "daemon-reload")

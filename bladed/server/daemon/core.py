@@ -280,7 +280,8 @@ class Daemon:
         budget = {k: v for k, v in b.items()
                   if k in ("host_available_bytes", "memory_limit_bytes", "anon_shmem_bytes", "usable_bytes",
                            "pagecache_budget_bytes", "pagecache_budget_computed_bytes", "file_bytes",
-                           "host_total_bytes", "pinned_bytes")}
+                           "host_total_bytes", "pinned_bytes", "charged_kernel_bytes", "free_bytes",
+                           "binding_cgroup", "memory_limit_source")}
         with self._conns_lock:
             connections = len(self._conns)
         formats = collections.Counter(s.geometry.kv_format or "plain" for s in self.manager.live_sessions())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import math
 import os
 import socket
 import socketserver
@@ -58,12 +59,19 @@ _BUDGET_GAUGES = (
      "B_pc as Eq. 2 computes it, before budget.override / budget.cap"),
     ("bladed_pagecache_held_bytes", "held_bytes", "Page-cache bytes live sessions' plans hold (Group 1), out of B_pc"),
     ("bladed_memory_usable_bytes", "usable_bytes",
-     "M* (Eq. 1) = min(M_avail, M_max - M_anon+shmem - M_mapped - M_free)"),
+     "M* (Eq. 1) = min(M_avail, M_max - M_anon+shmem - M_kernel - M_mapped - M_free) of the binding cgroup"),
     ("bladed_memory_available_bytes", "host_available_bytes", "M_avail (Eq. 1): the host's MemAvailable"),
     ("bladed_memory_limit_bytes", "memory_limit_bytes",
-     "M_max (Eq. 1): the memory cgroup's limit (smallest over its ancestors), or MemTotal if it has none"),
+     "M_max (Eq. 1): the limit of the binding cgroup (the limited one, from the daemon's up, with the least room; "
+     "bladed_memory_binding_info names it), or MemTotal if none limits"),
     ("bladed_memory_anon_shmem_bytes", "anon_shmem_bytes",
-     "M_anon+shmem (Eq. 1): anonymous and shared memory charged to the memory cgroup"),
+     "M_anon+shmem (Eq. 1): anonymous and shared memory charged to the binding cgroup, descendants included, "
+     "bladed's own KV in memory files excluded"),
+    ("bladed_memory_kernel_bytes", "charged_kernel_bytes",
+     "M_kernel (Eq. 1): the binding cgroup's other charges (slab, page tables, stacks)"),
+    ("bladed_memory_free_bytes", "free_bytes",
+     "M_free (Eq. 1): kept free for a neighbour's growth while a demotion gets going (budget.headroom, "
+     "budget.absorb_rate)"),
     ("bladed_memory_file_bytes", "file_bytes", "Page cache charged to the memory cgroup now (shmem excluded)"),
     ("bladed_memory_total_bytes", "host_total_bytes", "The host's MemTotal"),
     ("bladed_staging_pinned_bytes", "pinned_bytes", "M_pin,others (Eq. 2): staging memory of the open sessions"),
@@ -78,6 +86,9 @@ _REPLAN_COUNTERS = (
     ("bladed_extents_moved", "extents_moved",
      "Session extents moved to a larger run because a demotion could not grow them in place"),
     ("bladed_extent_moved_bytes", "moved_bytes", "Bytes copied by those moves"),
+    ("bladed_memory_reactions", "reactions",
+     "Kernel memory events that made the daemon demote: each timed to its first KPU written and freed "
+     "(bladed_memory_reaction_seconds)"),
 )
 
 #: retained prefixes now: (metric, key of PrefixCache.gauges(), help)
@@ -239,9 +250,26 @@ class Collector:
                                       "sampler, by what triggered them: periodic and pressure (live re-planning's "
                                       "schedule), demand (a reader found the shared reading older than it accepts: "
                                       "a session open, the budget op, a scrape, a prefix retain)", labels=["reason"])
-        for reason in ("periodic", "pressure", "demand"):
+        for reason in ("periodic", "pressure", "threshold", "demand"):
             samples.add_metric([reason], replan.get("budget_samples", {}).get(reason, 0))
         yield samples
+        events = CounterMetricFamily("bladed_memory_events", "The memory watch's kernel events, by kind: threshold "
+                                     "(a limited cgroup's usage reached where B_pc falls below what sessions hold; "
+                                     "v1 eventfd), poll (the same, seen by reading the usage), reclaim (v1 pressure "
+                                     "levels, v2 memory.events), psi", labels=["kind"])
+        for kind in ("threshold", "poll", "reclaim", "psi"):
+            events.add_metric([kind], replan.get("events", {}).get(kind, 0))
+        yield events
+        for name, key in (("last", "reaction_last_s"), ("max", "reaction_max_s")):
+            value = replan.get(key)
+            yield GaugeMetricFamily(f"bladed_memory_reaction_{name}_seconds", f"The {name} reaction: a kernel "
+                                    f"memory event to the first KPU it made the daemon demote, written and freed "
+                                    f"(NaN before the first)", value=math.nan if value is None else value)
+        binding = budget.get("binding_cgroup")
+        info = GaugeMetricFamily("bladed_memory_binding_info", "The cgroup whose limit binds Eq. 1 (1 for it)",
+                                 labels=["cgroup", "limit_source"])
+        info.add_metric([binding or "host", budget.get("memory_limit_source") or ""], 1)
+        yield info
         yield CounterMetricFamily("bladed_pagecache_budget_changes", "Moves of B_pc past the hysteresis that live "
                                   "re-planning applied", value=replan.get("budget_samples", {}).get("changes", 0))
         if "wear" in live:
