@@ -66,6 +66,9 @@ class SpikeSpec:
     placements: tuple[str, ...] = PLACEMENTS
     backings: tuple[str, ...] = BACKINGS
     hold_s: float = 3.0
+    repeat: int = 1
+    #: the idle-wear run's idle time (0: none)
+    idle_s: float = 0.0
     #: extra daemon configuration, per section (e.g. {"budget": {"headroom": 0.05}})
     daemon: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -335,16 +338,61 @@ def run_spike(spec: SpikeSpec, out_path: str | None, workdir: str = "/var/tmp/bl
     doc: dict[str, Any] = {"study": "spike", "spec": asdict(spec), "argv": sys.argv,
                            "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                            "machine": machine_info(), "git": git_info(REPO, ["bladed"]), "cases": []}
-    for placement in spec.placements:
-        for rate in spec.rates:
-            for backing in spec.backings:
-                doc["cases"].append(run_case(spec, placement, rate, backing, workdir, say))
-                if out_path:
-                    _save(doc, out_path)
+    for rep in range(spec.repeat):
+        for placement in spec.placements:
+            for rate in spec.rates:
+                for backing in spec.backings:
+                    doc["cases"].append(run_case(spec, placement, rate, backing, workdir, say) | {"rep": rep})
+                    if out_path:
+                        _save(doc, out_path)
+    if spec.idle_s:
+        doc["idle"] = run_idle(spec.backings, spec.idle_s, workdir, say)
     doc["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     if out_path:
         _save(doc, out_path)
     return doc
+
+
+def run_idle(backings: tuple[str, ...], idle_s: float, workdir: str, say: Callable[[str], None],
+             kv_layers: int = 16) -> list[dict[str, Any]]:
+    """Idle wear: a 512 MiB Dual-Blade session that fits, written once, then idle ``idle_s`` with no neighbour
+    (past the kernel's 30 s writeback of dirty pages): the bytes its device wrote meanwhile per byte of KV. Each
+    backing on an ext4 loop device of its own, the store file on it too."""
+    from bladed.client import Client
+    from bladed_bench.wear import loop_filesystem
+
+    g = Geometry(layers=kv_layers, batch=4, kv_heads=8, head_dim=128, dtype_bytes=2, max_tokens=2048)
+    kv = 2 * g.layers * g.kpu_bytes
+    out = []
+    for backing in backings:
+        side = os.path.join(workdir, f"idle-{backing}")
+        shutil.rmtree(side, ignore_errors=True)
+        os.makedirs(side)
+        with loop_filesystem(side, 2 * kv + 512 * MiB) as (mnt, device):
+            daemon = BenchDaemon(os.path.join(mnt, "state"), kv + 128 * MiB, None,
+                                 {"budget": {"interval_s": 5.0}, "pagecache": {"backing": backing}})
+            try:
+                with Client(daemon.socket_path, timeout=600.0, name="bladed-bench-idle") as c:
+                    sess = c.open_session(g.to_dict(), mode="dualblade", channels=2)
+                    paths = {k["path"] for k in sess.plan["kpus"]}
+                    write_kv(sess, g)
+                    os.sync()
+                    before = device.written_bytes()
+                    time.sleep(idle_s)          # the idle time is the measurement, not a synchronisation
+                    os.sync()
+                    written = device.written_bytes() - before
+                    exact = check_kv(sess, g)
+                    replan = c.stats()["replan"]
+                    sess.close()
+            finally:
+                daemon.stop()
+        rec = {"backing": backing, "kv_bytes": kv, "idle_s": idle_s, "planned_paths": sorted(paths),
+               "device_written_bytes": written, "written_per_kv_byte": written / kv, "kv": exact,
+               "demoted_kpus": replan["demoted_kpus"]}
+        say(f"idle {idle_s:g} s, backing {backing}: device wrote {written / MiB:.1f} MiB = "
+            f"{written / kv:.4f} of the {kv / MiB:.0f} MiB KV, {replan['demoted_kpus']} KPUs demoted")
+        out.append(rec)
+    return out
 
 
 def _save(doc: dict[str, Any], path: str) -> None:
@@ -360,23 +408,28 @@ def markdown(doc: dict[str, Any]) -> str:
     backings = list(dict.fromkeys(c["backing"] for c in cases))
     lines = ["| neighbour's place | its rate | " + " | ".join(f"`backing = \"{b}\"`" for b in backings) + " |",
              "| --- | --- | " + " | ".join("---" for _ in backings) + " |"]
-    rows: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    rows: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
     for c in cases:
-        rows.setdefault((c["placement"], c["rate_bytes_per_s"]), {})[c["backing"]] = c
+        rows.setdefault((c["placement"], c["rate_bytes_per_s"]), {}).setdefault(c["backing"], []).append(c)
     for (placement, rate), by in rows.items():
         cells = []
         for b in backings:
-            c = by.get(b)
-            if c is None:
+            runs = by.get(b)
+            if not runs:
                 cells.append("—")
                 continue
-            alive = "neighbour alive" if c.get("neighbour_alive") and not c.get("oom_kills") else \
-                "**neighbour OOM-killed**"
-            kv = c["kv"]
-            exact = "KV exact" if kv["exact"] == kv["kpus"] else f"KV {kv['exact']}/{kv['kpus']} exact"
-            cells.append(f"{alive}, {exact}, {c.get('demoted_kpus', 0)} KPUs demoted "
-                         f"({(c.get('demoted_bytes') or 0) / MiB:.0f} MiB)")
+            alive = sum(1 for c in runs if c.get("neighbour_alive") and not c.get("oom_kills"))
+            exact = sum(1 for c in runs if c["kv"]["exact"] == c["kv"]["kpus"])
+            n = len(runs)
+            who = f"neighbour alive {alive}/{n}" if alive == n else f"**neighbour OOM-killed {n - alive}/{n}**"
+            demoted = sorted((c.get("demoted_bytes") or 0) / MiB for c in runs)
+            react = [c["replan"].get("reaction_max_s") for c in runs if c.get("replan", {}).get("reaction_max_s")]
+            cells.append(f"{who}, KV exact {exact}/{n}, demoted {demoted[0]:.0f}-{demoted[-1]:.0f} MiB"
+                         + (f", reaction ≤ {max(react) * 1e3:.0f} ms" if react else ""))
         lines.append(f"| {placement} | {rate // MiB} MiB/s | " + " | ".join(cells) + " |")
+    for r in doc.get("idle", []):
+        lines.append(f"\nidle {r['idle_s']:g} s, backing {r['backing']}: the device wrote "
+                     f"{r['written_per_kv_byte']:.4f} of the {r['kv_bytes'] / MiB:.0f} MiB KV")
     return "\n".join(lines)
 
 
@@ -392,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-mib", type=int, default=d.limit_bytes // MiB)
     p.add_argument("--neighbour-mib", type=int, default=d.neighbour_bytes // MiB)
     p.add_argument("--daemon", default="{}", help='extra daemon config as JSON: {"budget": {"headroom": 0.05}}')
+    p.add_argument("--repeat", type=int, default=1, help="runs of every case, one after another (default 1)")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="also the idle-wear run: a 512 MiB session that fits, idle this many seconds (0: none)")
     p.add_argument("--json", default=None, help="default: docs/bench/spike-<UTC time>.json")
     a = p.parse_args(args)
     if os.geteuid() != 0:
@@ -399,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = SpikeSpec(limit_bytes=a.limit_mib * MiB, neighbour_bytes=a.neighbour_mib * MiB,
                      rates=tuple(int(float(r) * MiB) for r in a.rates.split(",")),
                      placements=tuple(a.placements.split(",")), backings=tuple(a.backings.split(",")),
-                     daemon=json.loads(a.daemon))
+                     daemon=json.loads(a.daemon), repeat=a.repeat, idle_s=a.idle)
     out = a.json or os.path.join(REPO, "docs", "bench", time.strftime("spike-%Y-%m-%dT%H%MZ.json", time.gmtime()))
     doc = run_spike(spec, out, say=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown(doc))

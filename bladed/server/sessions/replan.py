@@ -85,6 +85,8 @@ class LiveReplanner:
         self.reaction_last_s: float | None = None
         self.reaction_max_s: float | None = None
         self._trigger: tuple[float, str] | None = None
+        #: time spent carrying demotions out (demoted_bytes over it: the rate memory files are given back at)
+        self.demoted_seconds = 0.0
         self._work: queue.Queue[tuple[ReplanSession, int] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
@@ -169,6 +171,7 @@ class LiveReplanner:
         target = live.target or sess.plan
         nbytes = 0
         tid = kpu.tensor_id
+        t0 = time.monotonic()
         try:
             pagecache, extent_store = sess.stores()
             if sess.plan.mode is Mode.DUALBLADE:
@@ -194,6 +197,7 @@ class LiveReplanner:
         with self._lock:
             self.stats["demoted_kpus"] += 1
             self.stats["demoted_bytes"] += nbytes
+            self.demoted_seconds += time.monotonic() - t0
             if self._trigger is not None:
                 # the first KPU demoted since a kernel event asked for it: how long the event waited for memory
                 at, why = self._trigger
@@ -218,6 +222,7 @@ class LiveReplanner:
             out: dict[str, Any] = dict(self.stats)
             out["reaction_last_s"] = self.reaction_last_s
             out["reaction_max_s"] = self.reaction_max_s
+            out["demoted_seconds"] = round(self.demoted_seconds, 6)
         return out | {"budget_samples": sampler["samples"], "running": sampler["running"],
                       "sources": sampler["sources"], "events": sampler["events"]}
 
