@@ -125,7 +125,9 @@ class _Transfer:
         self._lock = threading.Lock()
         #: sparse decode reads: the spec, the selector's state and the reader of the selected pages
         self.select = select
-        self.state = SelectionState(select, g.layers, g.max_tokens, 1.0) if select is not None else None
+        self.state = SelectionState(select, g.layers, g.max_tokens, 1.0,
+                                    [j for j in range(g.layers) if select.layer_selects(j)]) \
+            if select is not None else None
         self.reader = PageReader(backend, self.slots, self.state) if self.state is not None else None
         #: whether a model's attention goes through the selection (:meth:`BladedCache.attach`)
         self.attached = False
@@ -313,7 +315,8 @@ class BladedLayer(DynamicLayer):
         self._pending = None
         k, v = h.result()
         state = self._t.state
-        if state is not None and not state.ready(self.index, self._len):   # a reused prefix: summarise its K
+        if state is not None and self.index in state.selecting and not state.ready(self.index, self._len):
+            # a reused prefix: its K folded into the selector's state
             state.on_read(self.index, k.permute(2, 0, 1, 3))
         # a cache dtype other than the model's (wider, or narrower with lossy_dtype) converts back here
         return k.to(self.device, self.dtype), v.to(self.device, self.dtype)

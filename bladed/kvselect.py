@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -423,10 +424,13 @@ class SelectionState:
     (:meth:`on_write`) and from K read back that this process never wrote (a reused prefix: :meth:`on_read`,
     "recomputed from K at load")."""
 
-    def __init__(self, spec: SelectSpec, layers: int, max_tokens: int, scale: float) -> None:
+    def __init__(self, spec: SelectSpec, layers: int, max_tokens: int, scale: float,
+                 selecting: Iterable[int] | None = None) -> None:
         self.spec = spec
         self.scale = scale
         self.max_tokens = max_tokens
+        #: the layers (of this cache's indexing) that select: only they keep a key copy or summaries
+        self.selecting = frozenset(range(layers) if selecting is None else selecting)
         self.summaries = PageSummaries(layers, max_tokens, spec.page) if spec.selector == "quest" else None
         self.key_copy = KeyCopy(layers, max_tokens, spec) if spec.selector == "keys" else None
         #: per layer, the tokens [0, known) whose K the selector has
@@ -469,6 +473,8 @@ class SelectionState:
             self._fold(layer, start, keys[start:])
 
     def _fold(self, layer: int, token_start: int, keys: torch.Tensor) -> None:
+        if layer not in self.selecting:
+            return
         if self.summaries is not None:
             self.summaries.update(layer, token_start, keys)
         if self.key_copy is not None:
@@ -476,8 +482,9 @@ class SelectionState:
         self.known[layer] = max(self.known[layer], token_start + keys.shape[0])
 
     def ready(self, layer: int, ntokens: int) -> bool:
-        """Whether the selector knows the K of tokens ``[0, ntokens)`` (else the step reads them all)."""
-        return self.known[layer] >= ntokens
+        """Whether the selector knows the K of tokens ``[0, ntokens)`` of a selecting layer (else the step reads
+        them all)."""
+        return layer in self.selecting and self.known[layer] >= ntokens
 
     def select(self, layer: int, q: torch.Tensor, ntokens: int, scale: float | None = None) -> torch.Tensor:
         """The pages of tokens ``[0, ntokens)`` each sequence attends to (``[B, n]`` bool), for one decode

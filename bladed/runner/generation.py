@@ -395,7 +395,9 @@ class _Generation:
             self.slots.append(SlotTensors(backend, dtype, pin=self.cuda and not getattr(backend, "prepinned", False),
                                           tail=self.runner.kv_tail))
             if self.select is not None:
-                state = SelectionState(self.select, geometry.layers, geometry.max_tokens, self.model.attention_scale)
+                selecting = [bl for layer, bl in self.backend_layer.items() if self.select.layer_selects(layer)]
+                state = SelectionState(self.select, geometry.layers, geometry.max_tokens, self.model.attention_scale,
+                                       selecting)
                 self.select_states.append(state)
                 self.page_readers.append(PageReader(backend, self.slots[-1], state))
 
@@ -466,7 +468,7 @@ class _Generation:
         self.times.add(self.step, "load_wait_s", waited)
         if self.select_states:                   # K this process never wrote (a reused prefix): summarise it
             state, bl = self.select_states[gpu_batch], self.backend_layer[layer]
-            if not state.ready(bl, self.position):
+            if bl in state.selecting and not state.ready(bl, self.position):
                 started = time.perf_counter()
                 state.on_read(bl, keys[:, :, :self.position].permute(2, 0, 1, 3))
                 self.times.add(self.step, "select_s", time.perf_counter() - started)
