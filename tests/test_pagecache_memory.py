@@ -33,13 +33,13 @@ from cgroup_util import ChildCgroup, Worker
 from daemon_util import DaemonProcess, logfmt_fields, short_tmpdir
 from test_daemon_startup import bladed, one_line, write_config
 from test_faults import oom_kills
-from test_replan_live import Model, open_models, pc_files
+from test_replan_live import Model, open_models, pc_files, wait_demotions_done
 
 from bladed.client import Client
-from bladed.spawn import cgroup_launcher
 from bladed.io.diskstats import BlockStat, block_stat_of
 from bladed.io.errors import BladedIOError
 from bladed.io.pagecache import PageCacheStore
+from bladed.spawn import cgroup_launcher
 
 #: 16 tokens of 4096 bytes a KPU (64 KiB), 4 layers: 8 KPUs, 512 KiB of KV
 SMALL = {"layers": 4, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 16}
@@ -240,18 +240,6 @@ def next_scheduled_sample(c: Client, deadline_s: float = 60) -> None:
         time.sleep(0.02)
 
 
-def wait_idle(c: Client, deadline_s: float = 60) -> dict[str, Any]:
-    """The daemon's stats once no demotion is pending in any session."""
-    end = time.monotonic() + deadline_s
-    while True:
-        rows = c.sessions()
-        if all(r.get("pending_demotions", 0) == 0 for r in rows):
-            return c.stats()
-        if time.monotonic() > end:
-            pytest.fail(f"demotions still pending after {deadline_s:g} s: {rows}")
-        time.sleep(0.05)
-
-
 @pytest.mark.root
 def test_a_neighbour_taking_memory_makes_bladed_demote_not_the_kernel_kill(tmp: str) -> None:
     """The daemon and a neighbour share a memory cgroup. The neighbour takes 2 MiB at a time (less than what
@@ -276,8 +264,8 @@ def test_a_neighbour_taking_memory_makes_bladed_demote_not_the_kernel_kill(tmp: 
                     neighbour.call("anon", nbytes=2 << 20)
                     taken += 2 << 20
                     next_scheduled_sample(c)            # the neighbour grows no faster than B_pc is sampled
-                    wait_idle(c)
-                stats = wait_idle(c)
+                    wait_demotions_done(c)
+                stats = wait_demotions_done(c)
                 demoted = stats["replan"]["demoted_kpus"]
                 assert demoted >= 1, f"no demotion after the neighbour took {taken >> 20} MiB"
                 paths = m.check()
@@ -316,7 +304,7 @@ def test_a_neighbour_growing_fast_beside_memory_kv_lives(tmp: str, placement: st
                 free = c.budget()["sample"]["free_bytes"]     # a sample of the new limit: the watch arms for it
                 before = d.mark()
                 neighbour.call("anon", nbytes=64 << 20, rate=400 << 20)
-                stats = wait_idle(c)
+                stats = wait_demotions_done(c)
                 assert neighbour.proc.poll() is None
                 assert sum(oom_kills(cg.path) for cg in {parent, mine, theirs}) == 0
             rep = stats["replan"]
@@ -353,7 +341,7 @@ def test_a_v1_limit_cut_below_the_memory_kv_is_refused_and_a_cap_first_lets_it_t
             d.write_config()
             hup = d.signal(signal.SIGHUP)
             d.wait_event("reload", after=hup)
-            wait_idle(c)
+            wait_demotions_done(c)
             cg.set_limit(cut)
             paths = models[0].check()
             assert "direct" in paths.values()

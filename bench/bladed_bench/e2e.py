@@ -73,7 +73,34 @@ CGROUP_STATS = ("cache", "rss", "shmem", "mapped_file", "dirty", "writeback", "f
                 "file_dirty", "file_writeback", "pgmajfault")
 
 
+#: a bladed side's ``~section.key=value`` suffixes: daemon settings of its own (``dualblade~budget.absorb_rate=0``:
+#: Dual-Blade with the headroom fraction alone), for the before and after of a default
+SETTING_SEP = "~"
+
+
+def side_settings(side: str) -> dict[str, dict[str, Any]]:
+    """The daemon settings a side names (``~budget.absorb_rate=0`` -> ``{"budget": {"absorb_rate": 0}}``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in side.split(SETTING_SEP)[1:]:
+        key, eq, text = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not (eq and dot and section and name):
+            raise ValueError(f"side {side!r}: a setting is ~section.key=value, got {item!r}")
+        try:
+            value: Any = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _base(side: str) -> str:
+    return side.split(SETTING_SEP)[0]
+
+
 def side_label(side: str) -> str:
+    if SETTING_SEP in side:
+        return side_label(_base(side)) + " (" + ", ".join(side.split(SETTING_SEP)[1:]) + ")"
     if side.endswith("@sel"):
         return side_label(side.removesuffix("@sel")) + ", sparse reads"
     name, _, backing = side.partition("+")
@@ -93,12 +120,15 @@ SELECT_SUFFIX = "@sel"
 
 def side_selects(side: str) -> bool:
     """Whether ``side`` runs with the plan's sparse decode reads (``dualblade@sel``, ``memory@sel``)."""
-    return side.endswith(SELECT_SUFFIX)
+    return _base(side).endswith(SELECT_SUFFIX)
 
 
 def parse_side(side: str) -> tuple[str, str | None]:
     """``dualblade-q8`` -> ``("dualblade", "q8")``; ValueError naming the known sides for anything else."""
-    side = side.removesuffix(SELECT_SUFFIX)
+    if SETTING_SEP in side and parse_side(_base(side))[0] not in BLADED_MODES:
+        raise ValueError(f"side {side!r}: only a bladed side takes daemon settings")
+    side_settings(side)
+    side = _base(side).removesuffix(SELECT_SUFFIX)
     name, _, backing = side.partition("+")
     mode, _, fmt = name.partition("-")
     if mode not in ("memory", "mmap", *BLADED_MODES) or (backing and (backing not in BACKINGS or
@@ -111,7 +141,7 @@ def parse_side(side: str) -> tuple[str, str | None]:
 
 def side_backing(side: str) -> str | None:
     """The ``pagecache.backing`` a bladed side names (``dualblade+disk``: ``disk``), or None (the default)."""
-    return side.removesuffix(SELECT_SUFFIX).partition("+")[2] or None
+    return _base(side).removesuffix(SELECT_SUFFIX).partition("+")[2] or None
 
 
 def reference_side(side: str) -> str:
@@ -305,6 +335,8 @@ class E2ERunner:
                 extra: dict[str, dict[str, Any]] = {"budget": {"interval_s": BudgetConfig().interval_s}}
                 if side_backing(side):
                     extra["pagecache"] = {"backing": side_backing(side)}
+                for section, keys in side_settings(side).items():
+                    extra.setdefault(section, {}).update(keys)
                 daemon = BenchDaemon(os.path.join(state, "daemon"), self.store_bytes,
                                      cg.launcher if cg is not None else None, extra)
                 rec["daemon_startup_s"] = round(daemon.startup_s, 3)
@@ -569,6 +601,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         pairs = [("dualblade", "mmap"), ("dualblade", "baseline"), ("dualblade", "memory"), ("baseline", "mmap"),
                  ("dualblade-q8", "dualblade"), ("dualblade-q8", "mmap")]
         pairs += [(side.partition("+")[0], side) for side in sides if "+" in side]   # a backing against the default
+        pairs += [(_base(side), side) for side in sides if SETTING_SEP in side]       # settings against the default
         pairs += [(side, b) for side in sides if side_selects(side)                 # the sparse reads
                   for b in (side.removesuffix(SELECT_SUFFIX), "memory")]
         for a, b in pairs:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import datetime as dt
 import json
 import mmap
@@ -299,7 +300,9 @@ def run_case(spec: SpikeSpec, placement: str, rate: int, backing: str, workdir: 
                 while neighbour.alive() and time.monotonic() < deadline:
                     time.sleep(0.05)
             rec["settled"] = wait_no_pending(c)
-            rec["neighbour_alive"] = neighbour.alive()
+            # a neighbour that never said "held" died growing (its exit may still be under way)
+            rec["neighbour_alive"] = took is not None and neighbour.alive()
+            rec["neighbour_rate_bytes_per_s"] = spec.neighbour_bytes / took if took else None
             rec["kv"] = check_kv(sess, g)
             after = c.stats()
             rep = after["replan"]
@@ -307,6 +310,8 @@ def run_case(spec: SpikeSpec, placement: str, rate: int, backing: str, workdir: 
             rec["demoted_bytes"] = rep["demoted_bytes"] - before["demoted_bytes"]
             rec["demotions_failed"] = rep["demotions_failed"] - before["demotions_failed"]
             rec["replan"] = rep
+            rec["demotion_rate_bytes_per_s"] = (rec["demoted_bytes"] / rep["demoted_seconds"]
+                                                if rep.get("demoted_seconds") else None)
             rec["budget_after"] = c.budget()["sample"]
             sess.close()
         rec["neighbour_exit"] = neighbour.stop()
@@ -356,8 +361,9 @@ def run_spike(spec: SpikeSpec, out_path: str | None, workdir: str = "/var/tmp/bl
 def run_idle(backings: tuple[str, ...], idle_s: float, workdir: str, say: Callable[[str], None],
              kv_layers: int = 16) -> list[dict[str, Any]]:
     """Idle wear: a 512 MiB Dual-Blade session that fits, written once, then idle ``idle_s`` with no neighbour
-    (past the kernel's 30 s writeback of dirty pages): the bytes its device wrote meanwhile per byte of KV. Each
-    backing on an ext4 loop device of its own, the store file on it too."""
+    (past the kernel's 30 s writeback of dirty pages): the bytes its device wrote from the session's open to the
+    end of the idle time (the kernel's own writeback, no sync) per byte of KV. Each backing on an ext4 loop
+    device of its own, the store file on it too."""
     from bladed.client import Client
     from bladed_bench.wear import loop_filesystem
 
@@ -372,14 +378,13 @@ def run_idle(backings: tuple[str, ...], idle_s: float, workdir: str, say: Callab
             daemon = BenchDaemon(os.path.join(mnt, "state"), kv + 128 * MiB, None,
                                  {"budget": {"interval_s": 5.0}, "pagecache": {"backing": backing}})
             try:
+                os.sync()                       # the store file and the daemon's start-up, on disk
+                before = device.written_bytes()
                 with Client(daemon.socket_path, timeout=600.0, name="bladed-bench-idle") as c:
                     sess = c.open_session(g.to_dict(), mode="dualblade", channels=2)
                     paths = {k["path"] for k in sess.plan["kpus"]}
                     write_kv(sess, g)
-                    os.sync()
-                    before = device.written_bytes()
                     time.sleep(idle_s)          # the idle time is the measurement, not a synchronisation
-                    os.sync()
                     written = device.written_bytes() - before
                     exact = check_kv(sess, g)
                     replan = c.stats()["replan"]
@@ -426,7 +431,10 @@ def markdown(doc: dict[str, Any]) -> str:
             react = [c["replan"].get("reaction_max_s") for c in runs if c.get("replan", {}).get("reaction_max_s")]
             cells.append(f"{who}, KV exact {exact}/{n}, demoted {demoted[0]:.0f}-{demoted[-1]:.0f} MiB"
                          + (f", reaction ≤ {max(react) * 1e3:.0f} ms" if react else ""))
-        lines.append(f"| {placement} | {rate // MiB} MiB/s | " + " | ".join(cells) + " |")
+        got = sorted(c["neighbour_rate_bytes_per_s"] / MiB for b in by.values() for c in b
+                     if c.get("neighbour_rate_bytes_per_s"))
+        rate_s = f"{rate // MiB} MiB/s" + (f" (grew at {got[0]:.0f}-{got[-1]:.0f})" if got else "")
+        lines.append(f"| {placement} | {rate_s} | " + " | ".join(cells) + " |")
     for r in doc.get("idle", []):
         lines.append(f"\nidle {r['idle_s']:g} s, backing {r['backing']}: the device wrote "
                      f"{r['written_per_kv_byte']:.4f} of the {r['kv_bytes'] / MiB:.0f} MiB KV")
@@ -448,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs of every case, one after another (default 1)")
     p.add_argument("--idle", type=float, default=0.0,
                    help="also the idle-wear run: a 512 MiB session that fits, idle this many seconds (0: none)")
+    p.add_argument("--idle-only", action="store_true", help="the idle-wear run alone")
     p.add_argument("--json", default=None, help="default: docs/bench/spike-<UTC time>.json")
     a = p.parse_args(args)
     if os.geteuid() != 0:
@@ -457,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                      placements=tuple(a.placements.split(",")), backings=tuple(a.backings.split(",")),
                      daemon=json.loads(a.daemon), repeat=a.repeat, idle_s=a.idle)
     out = a.json or os.path.join(REPO, "docs", "bench", time.strftime("spike-%Y-%m-%dT%H%MZ.json", time.gmtime()))
+    if a.idle_only:
+        spec = dataclasses.replace(spec, placements=(), rates=())
     doc = run_spike(spec, out, say=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown(doc))
     print(f"JSON: {out}", file=sys.stderr)

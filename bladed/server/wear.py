@@ -203,9 +203,10 @@ class WearLedger:
             self._pull()
             return sum(self.state["today"]["direct"].values())
 
-    def check_spill(self, what: str, description: str, budget: int) -> None:
-        """Refuse a new direct-path spill (``what``: one of :data:`SPILLS`) once today's writes reached
-        ``budget`` (``io.write_budget``; 0 = off): RequestError ``write_budget_exhausted``, one line."""
+    def check_spill(self, what: str, description: str, budget: int, count: int = 1) -> None:
+        """Refuse a new direct-path spill (``what``: one of :data:`SPILLS`; ``count`` of them, e.g. the KPUs of one
+        demotion) once today's writes reached ``budget`` (``io.write_budget``; 0 = off): RequestError
+        ``write_budget_exhausted``, one line."""
         if not budget:
             return
         with self._lock:
@@ -213,7 +214,7 @@ class WearLedger:
             spent = sum(self.state["today"]["direct"].values())
             if spent < budget:
                 return
-            self.refusals[what] = self.refusals.get(what, 0) + 1
+            self.refusals[what] = self.refusals.get(what, 0) + count
             now = self._clock()
         left = int(day_end(now) - now)
         raise RequestError(ErrorCode.WRITE_BUDGET_EXHAUSTED,

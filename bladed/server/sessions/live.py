@@ -46,9 +46,9 @@ class DemotionState:
 
     def __init__(self, sess: LiveSession) -> None:
         self.sess = sess
-        #: carries one demotion out, holding the channel (``LiveReplanner.carry_out`` for this session); None
-        #: until the session is open
-        self.carry_out: Callable[[KPU, Channel], None] | None = None
+        #: carries demotions out together, holding the channel (``LiveReplanner.carry_out`` for this session): the
+        #: KPUs, in order; None until the session is open
+        self.carry_out: Callable[[list[KPU], Channel], None] | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.pending: dict[int, KPU] = {}
@@ -168,24 +168,35 @@ class DemotionState:
     def begin(self, tensor_id: int, channel: Channel) -> KPU:
         """Carry out a pending demotion of ``tensor_id`` first, on ``channel`` (the calling worker), counting
         no op in flight (:meth:`begin_all` counts).  Returns the KPU as the session's plan now has it."""
+        self.carry_out_pending([tensor_id], channel)
+        return self.sess.plan.kpu(tensor_id)
+
+    def carry_out_pending(self, tensor_ids: Sequence[int], channel: Channel) -> None:
+        """Carry out the pending demotions among ``tensor_ids`` together, in their order, on ``channel``: one
+        stream of writes for all of them (the demotion worker hands every KPU of a re-plan at once).
+
+        Each waits for the requests in flight on it, and holds back new ones until it is done: a KPU is
+        released as soon as its own move is (:meth:`done`), not when the last one's is."""
         with self._cond:
-            while tensor_id in self._moving:
+            for t in tensor_ids:
+                while t in self._moving:
+                    self._cond.wait()
+            moves = [k for t in tensor_ids if (k := self.pending.pop(t, None)) is not None]
+            if not moves:
+                return
+            ids = [k.tensor_id for k in moves]
+            self._moving.update(ids)
+            while any(t in self._inflight for t in ids):
                 self._cond.wait()
-            new = self.pending.pop(tensor_id, None)
-            if new is None:
-                return self.sess.plan.kpu(tensor_id)
-            self._moving.add(tensor_id)
-            while tensor_id in self._inflight:
-                self._cond.wait()
-        self.gates.drain(tensor_id)      # and the lane's (closed when it was scheduled)
+        for t in ids:
+            self.gates.drain(t)      # and the lane's (closed when it was scheduled)
         try:
             if self.carry_out is not None and not self.sess.closing:
-                self.carry_out(new, channel)
+                self.carry_out(moves, channel)
         finally:
             with self._cond:
-                self._moving.discard(tensor_id)
+                self._moving.difference_update(ids)
                 self._cond.notify_all()
-        return self.sess.plan.kpu(tensor_id)
 
     @contextlib.contextmanager
     def holding(self, tensor_ids: Iterable[int]) -> Iterator[None]:
@@ -212,9 +223,6 @@ class DemotionState:
                 self.lane_epoch += 1
                 self._cond.notify_all()
 
-    def run_pending(self, tensor_id: int, channel: Channel) -> None:
-        """The eager path: the demotion worker, holding ``channel``, demotes the KPU if no request did it first."""
-        self.begin(tensor_id, channel)
 
     def done(self, kpu: KPU, nbytes: int) -> None:
         """The demotion was carried out (the plan has the KPU on its new path): no longer pending, so that

@@ -266,20 +266,22 @@ class SessionManager:
             # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
             extent_store.prepare()
 
-    def _carry_out(self, sess: ServedSession, kpu: KPU, ch: Channel) -> None:
-        """One of ``sess``'s pending demotions, holding ``ch`` (``DemotionState.begin``); its copy's writes
-        count as ``demotion``."""
+    def _carry_out(self, sess: ServedSession, kpus: list[KPU], ch: Channel) -> None:
+        """``sess``'s pending demotions of ``kpus``, together, holding ``ch`` (``DemotionState.carry_out_pending``);
+        their writes count as ``demotion``."""
 
         def room(need: int) -> Extent:
-            # binding the KPU on the extent is where a copy to the device begins: io.write_budget refuses it once
-            # spent (RequestError: the re-planner leaves the KPU on the page-cache path, kpu_demotion_failed)
+            # binding the KPUs on the extent is where a copy to the device begins: io.write_budget refuses it once
+            # spent (RequestError: the re-planner leaves them on the page-cache path, kpu_demotion_failed)
             if self.wear is not None:
-                self.wear.check_spill("demotion", f"a live demotion of {kpu.name} of session {sess.id} "
-                                                  f"({kpu.nbytes} bytes)", self.cfg.io.write_budget)
+                names = ",".join(k.name for k in kpus)
+                self.wear.check_spill("demotion", f"a live demotion of {names} of session {sess.id} "
+                                                  f"({sum(k.nbytes for k in kpus)} bytes)", self.cfg.io.write_budget,
+                                      count=len(kpus))
             return self.extent_with_room(sess, need, ch)
 
         with ch.engine.labelled("demotion"):
-            self.replanner.carry_out(sess, kpu, ch, room)
+            self.replanner.carry_out(sess, kpus, ch, room)
 
     def journal_session(self, sess: ServedSession, also: Sequence[Extent] = ()) -> None:
         """Record what the session holds (again after its extent grew or moved; ``also`` the run it moves to

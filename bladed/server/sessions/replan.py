@@ -46,6 +46,7 @@ from bladed.server.sessions.budget_reading import BudgetSampler
 from bladed.server.sessions.live import DemotionState, with_kpu
 from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
+from bladed.server.storage.extent_store import DemotionError
 
 log = logging.getLogger("bladed.replan")
 
@@ -87,6 +88,7 @@ class LiveReplanner:
         self._trigger: tuple[float, str] | None = None
         #: time spent carrying demotions out (demoted_bytes over it: the rate memory files are given back at)
         self.demoted_seconds = 0.0
+        self._last_done = 0.0
         self._work: queue.Queue[tuple[ReplanSession, int] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
@@ -114,13 +116,27 @@ class LiveReplanner:
             w.join()
 
     def _demote_eagerly(self) -> None:
-        """Carry out pending demotions of idle sessions (a request on the KPU may do it first)."""
+        """Carry out pending demotions of idle sessions (a request on a KPU may do it first): what is queued
+        now, a session's KPUs together (one stream of writes: the device's queue stays full from one to the
+        next), on the channel of its first."""
         while (item := self._work.get()) is not None:
-            sess, tid = item
-            ch = sess.channels[tid % len(sess.channels)]
-            with ch.lock:
-                if not sess.closing:
-                    sess.live.run_pending(tid, ch)
+            batch: dict[str, tuple[ReplanSession, list[int]]] = {}
+            stop = False
+            while item is not None:
+                sess, tid = item
+                batch.setdefault(sess.id, (sess, []))[1].append(tid)
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                stop = item is None
+            for sess, tids in batch.values():
+                ch = sess.channels[tids[0] % len(sess.channels)]
+                with ch.lock:
+                    if not sess.closing:
+                        sess.live.carry_out_pending(tids, ch)
+            if stop:
+                return
 
     def restart(self) -> None:
         """After a reload of ``budget.*``: new override/cap/cgroup, and apply at once."""
@@ -161,48 +177,71 @@ class LiveReplanner:
                   binding_cgroup=b.binding_cgroup or "host")
 
     # -- carrying one out ----------------------------------------------------------------------
-    def carry_out(self, sess: ReplanSession, kpu: KPU, channel: Channel,
+    def carry_out(self, sess: ReplanSession, kpus: list[KPU], channel: Channel,
                   extent_with_room: Callable[[int], Extent]) -> None:
-        """Demote one KPU holding ``channel`` (no request on it is in flight); on failure it stays where it is.
+        """Demote ``kpus`` holding ``channel`` (no request on them is in flight), in their order; each one that
+        fails stays where it is, with its bytes.
 
         ``extent_with_room(need)`` gives the session's extent with room for ``need`` more blocks
         (``SessionManager.extent_with_room``)."""
         live = sess.live
         target = live.target or sess.plan
-        nbytes = 0
-        tid = kpu.tensor_id
         t0 = time.monotonic()
-        try:
-            pagecache, extent_store = sess.stores()
-            if sess.plan.mode is Mode.DUALBLADE:
-                filled = live.filled_to(tid) * sess.geometry.token_bytes
-                nbytes = extent_store.adopt(kpu, pagecache.file(tid), filled, channel, extent_with_room)
-                # its bytes are on the extent now: the file is truncated (pages dropped unwritten) and removed
-                pagecache.detach(tid).close(unlink=True)
-            else:
-                # CachePolicy-Only (Table III): the KPU stays on the page-cache path, dropped after use
-                pagecache.drop(tid)
-        except (OSError, BladedIOError, RegionFullError, ValueError, MemoryError, RequestError) as e:
-            live.gave_up(kpu)
-            with self._lock:
-                self.stats["demotions_failed"] += 1
-            log.warning("session %s: cannot demote %s (%s); it stays on the page-cache path, over budget",
-                        sess.id, kpu.name, e)
-            event("kpu_demotion_failed", session=sess.id, kpu=kpu.name, error=str(e))
+        pagecache, extent_store = sess.stores()
+        if sess.plan.mode is not Mode.DUALBLADE:
+            # CachePolicy-Only (Table III): the KPUs stay on the page-cache path, dropped after use
+            for kpu in kpus:
+                try:
+                    pagecache.drop(kpu.tensor_id)
+                except (OSError, BladedIOError, ValueError) as e:
+                    self._failed(sess, kpu, e)
+                    continue
+                self._done(sess, kpu, target, 0, t0)
             return
+
+        def adopted(kpu: KPU, nbytes: int) -> None:
+            # its bytes are on the extent now: the file is truncated (pages dropped unwritten) and removed
+            pagecache.detach(kpu.tensor_id).close(unlink=True)
+            self._done(sess, kpu, target, nbytes, t0)
+
+        moves = [(k, pagecache.file(k.tensor_id), live.filled_to(k.tensor_id) * sess.geometry.token_bytes)
+                 for k in kpus]
+        try:
+            extent_store.adopt_many(moves, channel, extent_with_room, adopted)
+        except DemotionError as e:
+            done = {k.tensor_id for k in e.adopted}
+            for kpu in kpus:
+                if kpu.tensor_id not in done:
+                    self._failed(sess, kpu, e.cause)
+        except (OSError, BladedIOError, RegionFullError, ValueError, MemoryError, RequestError) as e:
+            for kpu in kpus:
+                self._failed(sess, kpu, e)
+
+    def _failed(self, sess: ReplanSession, kpu: KPU, e: BaseException) -> None:
+        sess.live.gave_up(kpu)
+        with self._lock:
+            self.stats["demotions_failed"] += 1
+        log.warning("session %s: cannot demote %s (%s); it stays on the page-cache path, over budget",
+                    sess.id, kpu.name, e)
+        event("kpu_demotion_failed", session=sess.id, kpu=kpu.name, error=str(e))
+
+    def _done(self, sess: ReplanSession, kpu: KPU, target: Plan, nbytes: int, t0: float) -> None:
+        """One KPU of a demotion carried out: the plan, the ledger, the counters, the event."""
         sess.plan = with_kpu(sess.plan, kpu, target)
         self.manager.ledger.admit(sess.id, sess.plan)
-        live.done(kpu, nbytes)
+        sess.live.done(kpu, nbytes)
         reaction: dict[str, Any] = {}
+        now = time.monotonic()
         with self._lock:
             self.stats["demoted_kpus"] += 1
             self.stats["demoted_bytes"] += nbytes
-            self.demoted_seconds += time.monotonic() - t0
+            self.demoted_seconds += now - max(t0, self._last_done)
+            self._last_done = now
             if self._trigger is not None:
                 # the first KPU demoted since a kernel event asked for it: how long the event waited for memory
                 at, why = self._trigger
                 self._trigger = None
-                took = time.monotonic() - at
+                took = now - at
                 self.stats["reactions"] += 1
                 self.reaction_last_s = took
                 self.reaction_max_s = took if self.reaction_max_s is None else max(self.reaction_max_s, took)

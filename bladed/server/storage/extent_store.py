@@ -40,12 +40,14 @@ request are submitted to the channel's ring together.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from bladed.io import BladedIOError, Op, StagingBuffer, Transfer
 from bladed.io.pagecache import PageCacheFile
@@ -66,6 +68,76 @@ DEMOTION_PIECE = 4 << 20
 DEMOTION_DEPTH = 4
 #: edge LBAs one channel's scratch holds before it grows (two per range of a request)
 EDGE_LBAS = 16
+
+
+class DemotionError(BladedIOError):
+    """A live demotion failed part-way: ``adopted`` are the KPUs moved before it (theirs is done), the rest stay
+    where they were with every byte; ``cause`` is the error."""
+
+    def __init__(self, message: str, adopted: tuple[KPU, ...], cause: BaseException) -> None:
+        super().__init__(getattr(cause, "errno", None) or errno.EIO, message)
+        self.adopted = adopted
+        self.cause = cause
+
+
+class _Job:
+    """One KPU of a demotion: its file, where it goes, and how much of it is written and freed."""
+
+    def __init__(self, kpu: KPU, source: PageCacheFile, slba: int, filled: int, lba: int) -> None:
+        self.kpu, self.source, self.slba, self.filled, self.lba = kpu, source, slba, filled, lba
+        # past the fill the file holds zeroes, as a fresh LBA does: whole LBAs go as they are
+        self.nbytes = align_up(filled, lba)
+        self.tail = Tail(fill=filled)
+        self.mem: Any = None
+        self.landed: set[int] = set()        # offsets of the pieces written
+        self.written_to = 0                  # [0, written_to) is on the device
+        self.freed = 0                       # [0, freed) is gone from the file
+        self.finished = self.nbytes == 0
+        self._stack: contextlib.ExitStack | None = None
+
+    def open(self, outer: contextlib.ExitStack) -> None:
+        """Map the file (kept mapped until :meth:`finish`) and take the tail copy: the LBA the fill ends in,
+        before any of its pages goes."""
+        if not self.nbytes:
+            return
+        self._stack = outer.enter_context(contextlib.ExitStack())
+        self.mem = self._stack.enter_context(self.source.mapped())
+        L = self.lba
+        last = memoryview(bytes(self.mem[(self.filled - 1) // L * L:][:L])) if self.filled % L else None
+        self.tail.filled_to(self.filled, L, last)
+
+    def landed_piece(self, off: int) -> None:
+        """The piece at ``off`` is written: free the whole pages of the written prefix that grew (the last,
+        partial one goes with the file)."""
+        self.landed.add(off)
+        while self.written_to in self.landed:
+            self.written_to = min(self.nbytes, self.written_to + DEMOTION_PIECE)
+        self.finished = self.written_to >= self.nbytes
+        end = self.written_to
+        if end < self.source.nbytes:
+            end -= end % PAGE_SIZE
+        if end > self.freed:
+            self.source.punch(self.freed, end - self.freed)
+            self.freed = end
+
+    def finish(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def restore(self, ch: ChannelIO) -> None:
+        """Read the freed prefix back from the device into the file (a failed demotion)."""
+        try:
+            if self.freed:
+                ch.engine.read(self.slba, self.mem, nbytes=self.freed)
+                log.warning("demotion of %s failed after %d bytes of it were written and freed; read back %d bytes "
+                            "into its file", self.kpu.name, self.freed, self.freed)
+        except (OSError, BladedIOError) as e:
+            self.source.lose(f"its bytes [0, {self.freed}) were freed after they reached the device, and reading "
+                             f"them back failed: {e}")
+            raise
+        finally:
+            self.finish()
 
 
 class ExtentKPUStore(KPUStore):
@@ -330,98 +402,103 @@ class ExtentKPUStore(KPUStore):
         a.served(KVPath.DIRECT, started)
 
     # -- live demotion -----------------------------------------------------------------------
-    def adopt(self, kpu: KPU, source: PageCacheFile, filled: int, ch: ChannelIO,
-              extent_with_room: Callable[[int], object]) -> int:
-        """Move one KPU here from its page-cache file: bind it after the last KPU, copy its ``filled`` bytes.
+    def adopt_many(self, moves: Sequence[tuple[KPU, PageCacheFile, int]], ch: ChannelIO,
+                   extent_with_room: Callable[[int], object], adopted: Callable[[KPU, int], None]) -> None:
+        """Move KPUs here from their page-cache files: bind each after the last KPU, copy its filled bytes.
 
-        ``extent_with_room(nblocks)`` gives the map (:meth:`ExtentMap.place`) an extent with room for ``nblocks``
-        more blocks after the last bound KPU (allocating or growing it).  An
-        earlier try that bound the KPU but failed to copy reuses its LBAs.
-        The bytes go to the device straight from the file's mapping, pieces in flight together
-        (:meth:`_write_out`), and each piece's pages are freed once it is written: a memory file gives its
-        memory back at the device's write speed, from the first piece on.
-        Raises (OSError, BladedIOError, MemoryError, RegionFullError) on failure,
-        with nothing of the KPU served from here yet and the file holding its bytes again.
-        Returns the bytes copied.
+        ``moves`` are ``(kpu, its file, its filled bytes)``, in the order they go.  ``extent_with_room(nblocks)``
+        gives the map (:meth:`ExtentMap.place`) an extent with room for ``nblocks`` more blocks after the last
+        bound KPU (allocating or growing it), once for all of them.  An earlier try that bound a KPU but failed
+        to copy reuses its LBAs.  The bytes go to the device straight from the files' mappings, one stream of
+        pieces across the KPUs (:meth:`_write_out`: the queue stays full from one KPU to the next), and each
+        piece's pages are freed once it is written: a memory file gives its memory back at the device's write
+        speed, from the first piece on.  ``adopted(kpu, nbytes)`` runs as each KPU's last piece is written (the
+        caller drops its file then).  Raises (OSError, BladedIOError, MemoryError, RegionFullError)
+        :class:`DemotionError` on failure, naming the KPUs adopted before it; the others are not served from
+        here and their files hold their bytes again.
         """
         L = self.lba
         self.prepare()
         # one move at a time, bind and copy together: extent_with_room() may move the extent, never under a copy
         with self._moving:
-            if kpu.tensor_id in self.map:
-                slba = self.map.lookup(kpu.tensor_id)[0]
-            else:
-                extent_with_room(kpu.padded_bytes // L)
-                slba, _ = self.map.add(kpu)
-            tail = Tail(fill=filled)
-            if filled:
-                with source.mapped() as mem:
-                    # the LBA the fill ends in, as the tail copy: taken before its pages go
-                    last = memoryview(bytes(mem[(filled - 1) // L * L:][:L])) if filled % L else None
-                    # past the fill the file holds zeroes, as a fresh LBA does: whole LBAs go as they are
-                    self._write_out(kpu.name, source, mem, slba, align_up(filled, L), ch)
-                tail.filled_to(filled, L, last)
-            with self._lock:
-                self._kpus[kpu.tensor_id] = kpu
-                self._tails[kpu.tensor_id] = tail
-        return filled
+            unbound = [k for k, _, _ in moves if k.tensor_id not in self.map]
+            if unbound:
+                extent_with_room(sum(k.padded_bytes for k in unbound) // L)
+            jobs = []
+            for kpu, source, filled in moves:
+                slba = self.map.lookup(kpu.tensor_id)[0] if kpu.tensor_id in self.map else self.map.add(kpu)[0]
+                jobs.append(_Job(kpu, source, slba, filled, L))
+            done: list[KPU] = []
 
-    def _write_out(self, name: str, source: PageCacheFile, mem: object, slba: int, nbytes: int,
-                   ch: ChannelIO) -> None:
-        """Write ``[0, nbytes)`` of ``source``'s mapping ``mem`` to ``slba`` on, :data:`DEMOTION_DEPTH` pieces of
-        :data:`DEMOTION_PIECE` in flight, freeing the file's pages of each written prefix as it grows.
+            def written(job: _Job) -> None:
+                with self._lock:
+                    self._kpus[job.kpu.tensor_id] = job.kpu
+                    self._tails[job.kpu.tensor_id] = job.tail
+                done.append(job.kpu)
+                adopted(job.kpu, job.filled)
 
-        On a failure the pieces already freed are read back from the device into the file, so it holds every
-        byte again, and the write's error is raised (if that read fails too, the file's bytes are gone: the file
-        is marked lost, its reads fail, and the read's error is raised)."""
-        L = self.lba
-        pieces = [(off, min(DEMOTION_PIECE, nbytes - off)) for off in range(0, nbytes, DEMOTION_PIECE)]
-        inflight: dict[int, Transfer] = {}
-        done: set[int] = set()
-        freed = 0                      # the prefix [0, freed) is on the device and gone from the file
-        nxt = 0
-        error: BaseException | None = None
-        while (nxt < len(pieces) and error is None) or inflight:
-            while error is None and nxt < len(pieces) and len(inflight) < DEMOTION_DEPTH:
-                off, n = pieces[nxt]
-                try:
-                    inflight[nxt] = ch.engine.submit(Op.WRITE, slba + off // L, mem, offset=off, nbytes=n, tag=nxt)
-                except (OSError, BladedIOError, ValueError) as e:
-                    error = e
-                    break
-                nxt += 1
-            if not inflight:
-                break
-            for x in ch.engine.wait(1):
-                inflight.pop(x.tag, None)
-                if x.ok:
-                    done.add(x.tag)
-                elif error is None:
-                    error = x.error()
-            end = freed
-            while error is None and (i := end // DEMOTION_PIECE) in done:
-                done.discard(i)
-                end = min(nbytes, end + DEMOTION_PIECE)
-            if end < source.nbytes:
-                end -= end % PAGE_SIZE          # whole pages (the last one goes with the file)
-            if end > freed:
-                try:
-                    source.punch(freed, end - freed)
-                    freed = end
-                except (OSError, BladedIOError) as e:
-                    error = e
-        if error is None:
-            return
-        if freed:
             try:
-                ch.engine.read(slba, mem, nbytes=freed)
-            except (OSError, BladedIOError) as e:
-                source.lose(f"its bytes [0, {freed}) were freed after they reached the device, and reading them "
-                            f"back failed: {e}")
+                self._write_out(jobs, ch, written)
+            except DemotionError:
                 raise
-            log.warning("demotion of %s failed after %d bytes of it were written and freed; read back %d bytes "
-                        "into its file: %s", name, freed, freed, error)
-        raise error
+            except (OSError, BladedIOError, MemoryError, ValueError) as e:
+                raise DemotionError(str(e), tuple(done), e) from e
+
+    def _write_out(self, jobs: list[_Job], ch: ChannelIO, written: Callable[[_Job], None]) -> None:
+        """Write each job's ``[0, nbytes)`` from its file's mapping to its ``slba`` on, :data:`DEMOTION_DEPTH`
+        pieces of :data:`DEMOTION_PIECE` in flight across the jobs, freeing each file's written prefix as it grows;
+        ``written(job)`` once a job's every piece is written (its mapping let go first).
+
+        On a failure nothing more is submitted; each job not yet written whole has its freed pages read back from
+        the device into its file, so it holds every byte again, and the write's error is raised (if that read
+        fails too, the file's bytes are gone: the file is marked lost, its reads fail, and the read's error is
+        raised)."""
+        L = self.lba
+        with contextlib.ExitStack() as stack:
+            for job in jobs:
+                job.open(stack)
+            pieces = [(job, off, min(DEMOTION_PIECE, job.nbytes - off)) for job in jobs
+                      for off in range(0, job.nbytes, DEMOTION_PIECE)]
+            for job in jobs:
+                if not job.nbytes:
+                    job.finish()
+                    written(job)
+            inflight: dict[int, Transfer] = {}
+            nxt = 0
+            error: BaseException | None = None
+            while (nxt < len(pieces) and error is None) or inflight:
+                while error is None and nxt < len(pieces) and len(inflight) < DEMOTION_DEPTH:
+                    job, off, n = pieces[nxt]
+                    try:
+                        inflight[nxt] = ch.engine.submit(Op.WRITE, job.slba + off // L, job.mem, offset=off, nbytes=n,
+                                                         tag=nxt)
+                    except (OSError, BladedIOError, ValueError) as e:
+                        error = e
+                        break
+                    nxt += 1
+                if not inflight:
+                    break
+                for x in ch.engine.wait(1):
+                    inflight.pop(x.tag, None)
+                    job, off, _ = pieces[x.tag]
+                    if not x.ok:
+                        error = error or x.error()
+                        continue
+                    if error is not None:
+                        continue
+                    try:
+                        job.landed_piece(off)
+                        if job.finished:
+                            job.finish()
+                            written(job)
+                    except (OSError, BladedIOError) as e:
+                        error = e
+            if error is None:
+                return
+            for job in jobs:
+                if not job.finished:
+                    job.restore(ch)
+            raise error
 
     def served(self) -> list[int]:
         """Tensor ids served from the extent now (bound at open, or moved here and copied)."""
