@@ -194,6 +194,16 @@ class PrefixConfig:
 
 
 @dataclass
+class BlocksConfig:
+    """Block pools for serving engines (docs/vllm.md; bladed.server.blocks)."""
+
+    #: bytes one block pool may hold (its capacity: what the engine asks for, at most this); 0 = pools off
+    max_bytes: int = 512 << 20
+    #: page-cache bytes one pool may be planned with (what live sessions leave of B_pc, at most this)
+    pagecache_bytes: int = 64 << 20
+
+
+@dataclass
 class MetricsConfig:
     enabled: bool = False
     #: "HOST:PORT" (port 0: any free port, shown by ``bladectl status``) or "unix:PATH"
@@ -217,6 +227,7 @@ class Config:
     socket: SocketConfig = field(default_factory=SocketConfig)
     access: AccessConfig = field(default_factory=AccessConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    blocks: BlocksConfig = field(default_factory=BlocksConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     #: where it was loaded from ("" = embedded default)
@@ -346,7 +357,7 @@ def format_size(n: int) -> str:
 _SIZE_KEYS = {"device.size", "device.max_command_bytes", "budget.override", "budget.cap", "budget.absorb_rate",
               "access.quota_bytes",
               "io.max_staging_bytes", "io.read_window_bytes", "io.write_budget", "prefix.device_bytes",
-              "prefix.pagecache_bytes"}
+              "prefix.pagecache_bytes", "blocks.max_bytes", "blocks.pagecache_bytes"}
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, problems: list[str]) -> Any:

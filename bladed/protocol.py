@@ -47,8 +47,9 @@ from bladed._wire import ffi, lib
 
 #: version of the request/reply vocabulary; bumped on any incompatible change
 #: (2: data connections with binary batched I/O frames, ``attach``; 3: descriptive reply field names
-#: instead of the paper's symbols, and the daemon sizes an empty staging memfd itself)
-PROTOCOL_VERSION = 4
+#: instead of the paper's symbols, and the daemon sizes an empty staging memfd itself; 4: prefix reuse;
+#: 5: block pools, ``open_blocks`` and ``blocks``)
+PROTOCOL_VERSION = 5
 #: oldest client protocol this build still serves
 MIN_PROTOCOL_VERSION = 4
 #: largest body accepted in either direction; larger frames close the connection
@@ -136,6 +137,7 @@ FRAME_FORMAT = JSON_FORMAT
 OPS = (
     "hello", "open_session", "close_session", "attach", "write", "read",
     "status", "sessions", "stats", "budget", "trim", "retain", "prefixes", "evict_prefixes", "wear",
+    "open_blocks", "blocks",
 )
 
 

@@ -24,6 +24,7 @@ from bladed.protocol import (
     IO_RANGE,
     IO_REQUEST,
     MAGIC,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     BadRequestError,
     DaemonLostError,
@@ -183,7 +184,7 @@ def test_an_older_protocol_client_is_told_to_upgrade(daemon: DaemonProcess, old:
     body = FrameReader(sock).read().body
     assert body["error"]["code"] == "incompatible_protocol"
     assert f"client speaks protocol {old}; this bladed" in body["error"]["message"]
-    assert f"speaks {PROTOCOL_VERSION}..{PROTOCOL_VERSION}" in body["error"]["message"]
+    assert f"speaks {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}" in body["error"]["message"]
     assert sock.recv(1) == b""                          # and the connection is closed
     sock.close()
     with pytest.raises(IncompatibleProtocolError):

