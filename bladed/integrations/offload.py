@@ -35,8 +35,9 @@ _T = TypeVar("_T")
 class _Link:
     """A lazily made connection to the daemon that logs an outage once and retries at most every RETRY_S."""
 
-    def __init__(self, socket_path: str | None, log: logging.Logger, what: str) -> None:
+    def __init__(self, socket_path: str | None, log: logging.Logger, what: str, retry_s: float = RETRY_S) -> None:
         self.socket_path = socket_path
+        self.retry_s = retry_s
         self.log = log
         self.what = what
         self.client: Client | None = None
@@ -74,7 +75,7 @@ class _Link:
             if self.client is not None:
                 self.client.close()
                 self.client = None
-            self._next_try = time.monotonic() + RETRY_S
+            self._next_try = time.monotonic() + self.retry_s
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 self.log.warning("bladed unreachable (%s: %s): KV blocks are recomputed until it is back",
@@ -90,10 +91,11 @@ class _Link:
 class BlockManager:
     """The scheduler's side: which blocks the pool holds, slots for new ones, pins for loads."""
 
-    def __init__(self, key: PoolKey, socket_path: str | None = None, log: logging.Logger | None = None) -> None:
+    def __init__(self, key: PoolKey, socket_path: str | None = None, log: logging.Logger | None = None,
+                 retry_s: float = RETRY_S) -> None:
         self.key = key
         self.log = log or logging.getLogger("bladed.integrations")
-        self._link = _Link(socket_path, self.log, "scheduler")
+        self._link = _Link(socket_path, self.log, "scheduler", retry_s)
         self._pool: PoolControl | None = None
         #: reservations not yet completed: key -> (slot, generation)
         self._reserved: dict[bytes, SlotGen] = {}
@@ -188,7 +190,7 @@ class BlockWorker:
     through the staging slot (one batched request per run of consecutive slots)."""
 
     def __init__(self, key: PoolKey, caches: Sequence[Any], *, slot_blocks: int = 64, socket_path: str | None = None,
-                 log: logging.Logger | None = None) -> None:
+                 log: logging.Logger | None = None, retry_s: float = RETRY_S) -> None:
         """``caches``: the engine's KV cache tensors, one per page of a block, each ``[num_blocks, page_bytes]``
         of 1-byte elements (torch)."""
         import torch
@@ -201,7 +203,7 @@ class BlockWorker:
         self.caches = list(caches)
         self.slot_blocks = slot_blocks
         self.log = log or logging.getLogger("bladed.integrations")
-        self._link = _Link(socket_path, self.log, "worker")
+        self._link = _Link(socket_path, self.log, "worker", retry_s)
         self._att: PoolAttachment | None = None
         self._control: PoolControl | None = None
         self._staging: Any = None

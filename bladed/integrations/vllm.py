@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from bladed.blocks import PoolKey, SlotGen
-from bladed.integrations.offload import BlockManager, BlockWorker
+from bladed.integrations.offload import RETRY_S, BlockManager, BlockWorker
 from bladed.protocol import IOOp
 
 #: the vLLM release this spec follows (its offloading API is marked experimental)
@@ -202,7 +202,7 @@ class BladedOffloadingWorker(_Worker):
 
 class BladedOffloadingSpec(_Spec):
     """vLLM's ``OffloadingSpec`` over a bladed block pool (``kv_connector_extra_config``: optional ``socket``,
-    ``capacity_bytes``, ``slot_blocks``, ``model_id``)."""
+    ``capacity_bytes``, ``slot_blocks``, ``model_id``, ``retry_s``)."""
 
     def __init__(self, config: Any) -> None:
         _check_vllm()
@@ -210,12 +210,13 @@ class BladedOffloadingSpec(_Spec):
         self.key = _pool_key(config)
         self.socket_path: str | None = self.extra_config.get("socket") or None
         self.slot_blocks = int(self.extra_config.get("slot_blocks", 64))
+        self.retry_s = float(self.extra_config.get("retry_s", RETRY_S))
         self._manager: BladedOffloadingManager | None = None
         self._worker: BladedOffloadingWorker | None = None
 
     def get_manager(self) -> Any:
         if self._manager is None:
-            self._manager = BladedOffloadingManager(BlockManager(self.key, self.socket_path, log),
+            self._manager = BladedOffloadingManager(BlockManager(self.key, self.socket_path, log, self.retry_s),
                                                     self.kv_events_config.enable_kv_cache_events)
             log.info("KV offloading to bladed: pool of %s (%d pages of %d bytes per block of %d tokens)",
                      self.key.model, self.key.pages, self.key.page_bytes, self.key.block_tokens)
@@ -228,7 +229,8 @@ class BladedOffloadingSpec(_Spec):
             refs = kv_caches.group_data_refs[0]
             tensors = [kv_caches.tensors[r.tensor_idx].tensor for r in refs]
             self._worker = BladedOffloadingWorker(BlockWorker(self.key, tensors, slot_blocks=self.slot_blocks,
-                                                              socket_path=self.socket_path, log=log))
+                                                              socket_path=self.socket_path, log=log,
+                                                              retry_s=self.retry_s))
         return self._worker
 
 
