@@ -23,12 +23,14 @@ from bladed.spawn import cgroup_launcher
 V1_UNLIMITED = 9223372036854771712
 
 
-def _write(path: str, value: str) -> None:
+def write_file(path: str, value: str) -> None:
+    """Write ``value`` to a cgroup (or /proc) file."""
     with open(path, "w") as f:
         f.write(value)
 
 
-def _read(path: str) -> str:
+def read_file(path: str) -> str:
+    """A cgroup (or /proc) file's text."""
     with open(path) as f:
         return f.read()
 
@@ -41,9 +43,9 @@ def limit_file(path: str, version: str) -> str:
 def set_limit(path: str, version: str, nbytes: int | None) -> None:
     """Set the hard limit of the memory cgroup at ``path``; None lifts it."""
     if nbytes is None:
-        _write(limit_file(path, version), "-1" if version == "v1" else "max")
+        write_file(limit_file(path, version), "-1" if version == "v1" else "max")
     else:
-        _write(limit_file(path, version), str(int(nbytes)))
+        write_file(limit_file(path, version), str(int(nbytes)))
 
 
 class MemCgroup:
@@ -59,7 +61,7 @@ class MemCgroup:
         self.parent = info.path
         if self.version == "v2":
             with contextlib.suppress(OSError):
-                _write(os.path.join(self.parent, "cgroup.subtree_control"), "+memory")
+                write_file(os.path.join(self.parent, "cgroup.subtree_control"), "+memory")
         self.path = os.path.join(self.parent, f"{prefix}-{uuid.uuid4().hex[:8]}")
         os.mkdir(self.path)
         self.set_limit(limit_bytes)
@@ -72,7 +74,7 @@ class MemCgroup:
         set_limit(self.path, self.version, nbytes)
 
     def limit(self) -> int | None:
-        v = _read(self.limit_file).strip()
+        v = read_file(self.limit_file).strip()
         if v == "max" or int(v) >= V1_UNLIMITED:
             return None
         return int(v)
@@ -80,7 +82,7 @@ class MemCgroup:
     def stat(self) -> dict[str, int]:
         out: dict[str, int] = {}
         with contextlib.suppress(OSError):
-            for line in _read(os.path.join(self.path, "memory.stat")).splitlines():
+            for line in read_file(os.path.join(self.path, "memory.stat")).splitlines():
                 k, _, v = line.partition(" ")
                 with contextlib.suppress(ValueError):
                     out[k] = int(v)
@@ -89,7 +91,7 @@ class MemCgroup:
     def usage(self) -> int:
         name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
         try:
-            return int(_read(os.path.join(self.path, name)))
+            return int(read_file(os.path.join(self.path, name)))
         except (OSError, ValueError):
             return 0
 
@@ -104,7 +106,7 @@ class MemCgroup:
         ``memory.peak``, kernel 5.19+); None where the kernel does not say."""
         name = "memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak"
         try:
-            return int(_read(os.path.join(self.path, name)))
+            return int(read_file(os.path.join(self.path, name)))
         except (OSError, ValueError):
             return None
 
@@ -112,7 +114,7 @@ class MemCgroup:
         if self.version != "v1":
             return None
         try:
-            return int(_read(os.path.join(self.path, "memory.failcnt")))
+            return int(read_file(os.path.join(self.path, "memory.failcnt")))
         except (OSError, ValueError):
             return None
 
@@ -121,7 +123,7 @@ class MemCgroup:
         out: dict[str, int] = {}
         name = "memory.oom_control" if self.version == "v1" else "memory.events"
         with contextlib.suppress(OSError):
-            for line in _read(os.path.join(self.path, name)).splitlines():
+            for line in read_file(os.path.join(self.path, name)).splitlines():
                 k, _, v = line.partition(" ")
                 with contextlib.suppress(ValueError):
                     out[k] = int(v)
@@ -129,7 +131,7 @@ class MemCgroup:
 
     def procs(self) -> list[int]:
         try:
-            return [int(x) for x in _read(os.path.join(self.path, "cgroup.procs")).split()]
+            return [int(x) for x in read_file(os.path.join(self.path, "cgroup.procs")).split()]
         except OSError:
             return []
 
@@ -143,11 +145,11 @@ class MemCgroup:
             return
         for pid in self.procs():
             with contextlib.suppress(OSError):
-                _write(os.path.join(self.parent, "cgroup.procs"), str(pid))
+                write_file(os.path.join(self.parent, "cgroup.procs"), str(pid))
         if self.version == "v1":
             # hand the charged page cache back to the parent before the directory goes
             with contextlib.suppress(OSError):
-                _write(os.path.join(self.path, "memory.force_empty"), "0")
+                write_file(os.path.join(self.path, "memory.force_empty"), "0")
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -173,7 +175,7 @@ def drop_caches() -> float:
     """``sync`` then ``echo 3 > /proc/sys/vm/drop_caches``; returns the seconds it took."""
     t0 = time.perf_counter()
     os.sync()
-    _write("/proc/sys/vm/drop_caches", "3")
+    write_file("/proc/sys/vm/drop_caches", "3")
     return time.perf_counter() - t0
 
 

@@ -29,6 +29,7 @@ import mmap
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ import numpy as np
 from bladed.residency.cgroups import locate_memory_cgroup
 from bladed.residency.geometry import Geometry, tensor_id
 from bladed.spawn import cgroup_launcher
+from bladed_bench.cgroup import read_file, write_file
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.repo import REPO, repo_env
 from bladed_bench.workload import BenchDaemon
@@ -80,16 +82,6 @@ class SpikeSpec:
 
 # -- cgroups ------------------------------------------------------------------------------------------------------
 
-def _write(path: str, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
 class Tree:
     """A limited cgroup below ours and, for ``sibling``, two children in it; removed on exit."""
 
@@ -103,7 +95,7 @@ class Tree:
         self.dirs = [self.parent]
         self._mkdir(self.parent)
         limit_name = "memory.limit_in_bytes" if self.version == "v1" else "memory.max"
-        _write(os.path.join(self.parent, limit_name), str(limit))
+        write_file(os.path.join(self.parent, limit_name), str(limit))
         if placement == "sibling":
             self.daemon_dir = os.path.join(self.parent, "daemon")
             self.neighbour_dir = os.path.join(self.parent, "neighbour")
@@ -116,7 +108,7 @@ class Tree:
     def _mkdir(self, path: str) -> None:
         if self.version == "v2":
             with contextlib.suppress(OSError):
-                _write(os.path.join(os.path.dirname(path), "cgroup.subtree_control"), "+memory")
+                write_file(os.path.join(os.path.dirname(path), "cgroup.subtree_control"), "+memory")
         os.mkdir(path)
 
     def oom_kills(self) -> int:
@@ -124,7 +116,7 @@ class Tree:
         name, dirs = ("memory.oom_control", self.dirs) if self.version == "v1" else ("memory.events", [self.parent])
         n = 0
         for d in dirs:
-            for line in _read(os.path.join(d, name)).splitlines():
+            for line in read_file(os.path.join(d, name)).splitlines():
                 k, _, v = line.partition(" ")
                 if k == "oom_kill":
                     n += int(v)
@@ -132,21 +124,21 @@ class Tree:
 
     def usage(self, path: str | None = None) -> int:
         name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
-        return int(_read(os.path.join(path or self.parent, name)))
+        return int(read_file(os.path.join(path or self.parent, name)))
 
     def peak(self) -> int | None:
         name = "memory.max_usage_in_bytes" if self.version == "v1" else "memory.peak"
         with contextlib.suppress(OSError, ValueError):
-            return int(_read(os.path.join(self.parent, name)))
+            return int(read_file(os.path.join(self.parent, name)))
         return None
 
     def remove(self) -> None:
         for d in reversed(self.dirs):
             if not os.path.isdir(d):
                 continue
-            for pid in _read(os.path.join(d, "cgroup.procs")).split():
+            for pid in read_file(os.path.join(d, "cgroup.procs")).split():
                 with contextlib.suppress(OSError):
-                    _write(os.path.join(self.base, "cgroup.procs"), pid)
+                    write_file(os.path.join(self.base, "cgroup.procs"), pid)
             deadline = time.monotonic() + 30
             while os.path.isdir(d):
                 try:
@@ -400,6 +392,74 @@ def run_idle(backings: tuple[str, ...], idle_s: float, workdir: str, say: Callab
     return out
 
 
+def _write_override_config(path: str, override: int) -> None:
+    """A minimal daemon config with a fixed B_pc: every checkout compared reads it (``Config.to_toml`` would name
+    keys an older one does not know)."""
+    with open(path, "w") as f:
+        f.write(f'[device]\nsize = {1 << 30}\n[budget]\noverride = {override}\n[log]\nformat = "text"\n')
+
+
+def demotion_rate(checkouts: list[str], pairs: int, workdir: str, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """How fast a re-plan's demotions give memory back: a 612 MiB session in memory files, then ``budget.override``
+    cut to 360 MiB by a SIGHUP (20 KPUs, 255 MiB, demoted at once), each checkout's daemon and client in turn
+    (a process of its own with that checkout first on its path), ``pairs`` times alternated; the seconds from the
+    ``replan`` event to the last ``kpu_demoted``."""
+    out: list[dict[str, Any]] = []
+    for rep in range(pairs):
+        for repo in (checkouts if rep % 2 == 0 else list(reversed(checkouts))):
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.dirname(os.path.dirname(__file__))]))
+            r = subprocess.run([sys.executable, "-m", "bladed_bench.spike", "demotion-one", repo, workdir],
+                               env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise RuntimeError(f"{repo}: the demotion run failed:\n{r.stderr[-2000:]}")
+            rec = json.loads(r.stdout.strip().splitlines()[-1]) | {"checkout": repo, "rep": rep,
+                                                                    "git": git_info(repo, ["bladed"])}
+            say(f"{repo}: {rec['demoted_bytes'] / MiB:.0f} MiB demoted in {rec['seconds'] * 1e3:.0f} ms, "
+                f"{rec['bytes_per_s'] / 1e9:.2f} GB/s")
+            out.append(rec)
+    return out
+
+
+def demotion_one(repo: str, workdir: str) -> dict[str, Any]:
+    """One run of :func:`demotion_rate` with this process's bladed (its client and daemon)."""
+    from bladed.client import Client
+    from bladed.spawn import PrivateDaemon
+
+    g = SpikeSpec().geometry()
+    state = os.path.join(workdir, "demotion-rate")
+    shutil.rmtree(state, ignore_errors=True)
+    os.makedirs(state)
+    cfg, log_path = os.path.join(state, "bladed.toml"), os.path.join(state, "bladed.log")
+    _write_override_config(cfg, 2 << 30)
+    daemon = PrivateDaemon(["--config", cfg, "--state-dir", state], env=dict(os.environ), cwd=repo,
+                           log_path=log_path, log_mode="w", notify_path=os.path.join(state, "notify.sock")).start()
+    try:
+        daemon.wait_ready(120)
+        with Client(os.path.join(state, "bladed.sock"), timeout=600.0) as c:
+            sess = c.open_session(g.to_dict(), mode="dualblade", channels=2)
+            write_kv(sess, g)
+            _write_override_config(cfg, 360 << 20)
+            os.kill(daemon.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 60
+            while c.stats()["replan"]["demoted_kpus"] < 20 or any(r.get("pending_demotions") for r in c.sessions()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the demotions did not finish within 60 s")
+                time.sleep(0.01)      # polled: the daemon's log is the record, read below
+            demoted = c.stats()["replan"]["demoted_bytes"]
+            sess.close()
+    finally:
+        daemon.stop()
+    stamps: dict[str, list[float]] = {"replan": [], "kpu_demoted": []}
+    with open(log_path) as f:
+        for line in f:
+            for name, got in stamps.items():
+                if f"event={name} " in line:
+                    got.append(dt.datetime.strptime(line.split()[0][3:], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp())
+    took = stamps["kpu_demoted"][-1] - stamps["replan"][0]
+    return {"demoted_bytes": demoted, "seconds": took, "first_kpu_s": stamps["kpu_demoted"][0] - stamps["replan"][0],
+            "bytes_per_s": demoted / took}
+
+
 def _save(doc: dict[str, Any], path: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -445,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["neighbour"]:
         return neighbour_main(int(args[1]), float(args[2]), int(args[3]))
+    if args[:1] == ["demotion-one"]:
+        print(json.dumps(demotion_one(args[1], args[2])))
+        return 0
     d = SpikeSpec()
     p = argparse.ArgumentParser(prog="tools/bench_spike.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--placements", default=",".join(d.placements))
@@ -457,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=float, default=0.0,
                    help="also the idle-wear run: a 512 MiB session that fits, idle this many seconds (0: none)")
     p.add_argument("--idle-only", action="store_true", help="the idle-wear run alone")
+    p.add_argument("--demotion-rate", default="", metavar="CHECKOUT,...",
+                   help="instead: how fast a re-plan's demotions give memory back, the daemon of each checkout (a "
+                        "directory holding bladed/, built) alternated --repeat times")
     p.add_argument("--json", default=None, help="default: docs/bench/spike-<UTC time>.json")
     a = p.parse_args(args)
     if os.geteuid() != 0:
@@ -466,6 +532,14 @@ def main(argv: list[str] | None = None) -> int:
                      placements=tuple(a.placements.split(",")), backings=tuple(a.backings.split(",")),
                      daemon=json.loads(a.daemon), repeat=a.repeat, idle_s=a.idle)
     out = a.json or os.path.join(REPO, "docs", "bench", time.strftime("spike-%Y-%m-%dT%H%MZ.json", time.gmtime()))
+    if a.demotion_rate:
+        doc = {"study": "demotion-rate", "argv": sys.argv, "machine": machine_info(),
+               "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+               "runs": demotion_rate(a.demotion_rate.split(","), a.repeat, "/var/tmp/bladed-spike",
+                                     lambda m: print(m, file=sys.stderr, flush=True))}
+        _save(doc, out)
+        print(f"JSON: {out}", file=sys.stderr)
+        return 0
     if a.idle_only:
         spec = dataclasses.replace(spec, placements=(), rates=())
     doc = run_spike(spec, out, say=lambda m: print(m, file=sys.stderr, flush=True))

@@ -152,21 +152,32 @@ class MemoryWatch:
             if src is not None:
                 self._static["host"] = src
 
-    def _arm_threshold(self, path: str, threshold: int) -> Source | None:
-        efd = ufd = -1
+    @staticmethod
+    def _v1_event(path: str, name: str, arg: object, what: str) -> Source:
+        """A v1 ``cgroup.event_control`` registration of an eventfd on the cgroup's file ``name`` with ``arg``
+        (a usage threshold, a pressure level); OSError where the kernel or the file's mode refuses it."""
+        efd = ffd = -1
         try:
             efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-            ufd = os.open(os.path.join(path, "memory.usage_in_bytes"), os.O_RDONLY | os.O_CLOEXEC)
+            ffd = os.open(os.path.join(path, name), os.O_RDONLY | os.O_CLOEXEC)
             with open(os.path.join(path, "cgroup.event_control"), "w") as f:
-                f.write(f"{efd} {ufd} {threshold}")
-        except OSError as e:
-            for fd in (efd, ufd):
+                f.write(f"{efd} {ffd} {arg}")
+        except OSError:
+            for fd in (efd, ffd):
                 if fd >= 0:
                     os.close(fd)
+            raise
+        kind = "threshold" if name == "memory.usage_in_bytes" else "reclaim"
+        return Source(f"{what}:{path}", efd, select.POLLIN, kind, [efd, ffd], eventfd=True)
+
+    def _arm_threshold(self, path: str, threshold: int) -> Source | None:
+        try:
+            src = self._v1_event(path, "memory.usage_in_bytes", threshold, "v1-threshold")
+        except OSError as e:
             log.info("memory watch: no usage threshold on %s (%s); its usage is polled", path, e)
             return None
-        log.debug("memory watch: usage threshold %d armed on %s (eventfd %d)", threshold, path, efd)
-        return Source(f"v1-threshold:{path}", efd, select.POLLIN, "threshold", [efd, ufd], eventfd=True)
+        log.debug("memory watch: usage threshold %d armed on %s (eventfd %d)", threshold, path, src.fd)
+        return src
 
     def _arm_poll(self, path: str, threshold: int) -> None:
         p = self._polled.get(path)
@@ -184,18 +195,10 @@ class MemoryWatch:
     def _arm_static(self, path: str) -> None:
         src: Source | None = None
         if self.version == "v1":
-            efd = pfd = -1
             try:
-                efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-                pfd = os.open(os.path.join(path, "memory.pressure_level"), os.O_RDONLY | os.O_CLOEXEC)
-                with open(os.path.join(path, "cgroup.event_control"), "w") as f:
-                    f.write(f"{efd} {pfd} {self.pressure_level}")
-                src = Source(f"v1-pressure-level:{self.pressure_level}:{path}", efd, select.POLLIN, "reclaim",
-                             [efd, pfd], eventfd=True)
+                src = self._v1_event(path, "memory.pressure_level", self.pressure_level,
+                                     f"v1-pressure-level:{self.pressure_level}")
             except OSError as e:
-                for fd in (efd, pfd):
-                    if fd >= 0:
-                        os.close(fd)
                 log.info("memory watch: no v1 memory.pressure_level events for %s (%s)", path, e)
         else:
             try:
