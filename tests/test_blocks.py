@@ -282,3 +282,29 @@ def test_a_protocol_4_client_is_still_served() -> None:
         body = FrameReader(sock).read().body
         assert body["ok"] and body["protocol"] == 4
         sock.close()
+
+
+def test_a_restarted_daemon_is_found_again_at_once(daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """The connections of the engine's two sides die with the daemon; the next call makes a new one and is
+    served (no miss, no warning): a restart between two requests costs nothing."""
+    src, dst = caches(8), caches(9)
+    mgr = BlockManager(KEY, daemon.socket_path)
+    wk = BlockWorker(KEY, src, slot_blocks=4, socket_path=daemon.socket_path)
+    wk2 = BlockWorker(KEY, dst, slot_blocks=4, socket_path=daemon.socket_path)
+    try:
+        store(mgr, wk, keys(2), [3, 4])
+        assert load(mgr, wk2, keys(2), [0, 1]) == []     # wk2 is attached now
+        daemon.stop()
+        daemon.start()
+        with caplog.at_level(logging.WARNING):
+            assert mgr.lookup(keys(2)) == ["ready", "ready"]
+            for p in range(PAGES):
+                dst[p][:2] = 0
+            assert load(mgr, wk2, keys(2), [0, 1], job=5) == []
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        for p in range(PAGES):
+            assert torch.equal(dst[p][:2], src[p][[3, 4]])
+    finally:
+        wk.shutdown()
+        wk2.shutdown()
+        mgr.close()

@@ -5,7 +5,8 @@ tools/bench_vllm.py, with or without bladed's OffloadingConnector.  Prints one J
 Steps (``--steps``, comma-separated): ``warm`` (a short unrelated prompt), ``ttft`` (the prompt, one token:
 its wall time is the time to first token), ``gen`` (the prompt, ``--gen`` tokens, greedy), ``reset``
 (``reset_prefix_cache()``: vLLM's own cache only), ``wait`` (read a line from stdin before going on: the
-caller restarts the daemon meanwhile), ``evict`` (drop the pool's blocks in bladed).
+caller restarts the daemon meanwhile), ``evict`` (drop the pool's blocks in bladed).  ``--steps -`` reads the
+steps from stdin, one a line, until it ends.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main() -> int:
     elif a.tier == "fs":
         kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": a.capacity,
-                                            "secondary_tiers": [{"type": "fs", "path": a.fs_path}]}}
+                                            "secondary_tiers": [{"type": "fs", "root_dir": a.fs_path}]}}
     t0 = time.perf_counter()
     try:
         llm = LLM(model=a.model, block_size=32, max_model_len=8192, enable_prefix_caching=True, dtype=a.dtype,
@@ -71,7 +72,8 @@ def main() -> int:
     if len(text) < a.tokens + 64:
         text = text * (1 + (a.tokens + 64) // max(1, len(text)))
     ids = prompt_ids(text, a.tokens, a.seed)
-    for step in a.steps.split(","):
+    steps = (line.strip() for line in sys.stdin) if a.steps == "-" else iter(a.steps.split(","))
+    for step in steps:
         out: dict[str, object] = {"step": step}
         t = time.perf_counter()
         if step == "warm":

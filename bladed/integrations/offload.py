@@ -113,15 +113,19 @@ class BlockManager:
         return self._pool
 
     def _do(self, call: Callable[[PoolControl], _T], default: _T) -> _T:
-        pool = self._control()
-        if pool is None:
-            return default
-        try:
-            return call(pool)
-        except (BladedError, OSError, TimeoutError) as e:
-            self._pool = None
-            self._link.lost(e)
-            return default
+        for again in (True, False):
+            pool = self._control()
+            if pool is None:
+                return default
+            try:
+                return call(pool)
+            except (BladedError, OSError, TimeoutError) as e:
+                self._pool = None
+                if again and isinstance(e, ConnectionError):
+                    self._link.close()      # a restarted daemon: one more try on a new connection, at once
+                    continue
+                self._link.lost(e)
+        return default
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Per key: ``ready``, ``pending`` or ``miss`` (every one a miss while the daemon is away)."""
@@ -244,13 +248,18 @@ class BlockWorker:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             t0 = time.perf_counter()
-            try:
-                self._transfer(job)
-            except Exception as e:      # never the engine's problem: a lost store, or blocks recomputed
-                self._drop()
-                self._link.lost(e)
-                if job.op is IOOp.READ:
-                    job.failed = list(job.block_ids)
+            for again in (True, False):
+                job.failed, job.nbytes = [], 0
+                try:
+                    self._transfer(job)
+                    break
+                except Exception as e:      # never the engine's problem: a lost store, or blocks recomputed
+                    self._drop()
+                    if again and isinstance(e, ConnectionError):
+                        continue            # a restarted daemon: the job once more, on a new connection
+                    self._link.lost(e)
+                    if job.op is IOOp.READ:
+                        job.failed = list(job.block_ids)
             job.seconds = time.perf_counter() - t0
             with self._lock:
                 self._jobs.pop(job.job_id, None)
