@@ -429,7 +429,8 @@ class Budgeter:
         held = held_bytes() if held_bytes is not None else 0
         try:
             watch.arm(thresholds(b.limits, held, b.pinned_uncharged_bytes, b.kernel_overhead, b.host_available_bytes,
-                                 b.override_bytes is not None))
+                                 b.override_bytes is not None),
+                      {str(d["path"]): int(d["usage_bytes"]) for d in b.limits})
         except OSError as e:
             log.warning("budget: cannot arm the memory watch: %s", e)
         with self._armed_cond:
@@ -442,6 +443,8 @@ class Budgeter:
         last_sample = time.monotonic()
         next_due = last_sample + interval_s
         reclaim_pending = False
+        poller = select.poll()
+        registered: dict[int, int] = {}
         try:
             while True:
                 now = time.monotonic()
@@ -451,13 +454,14 @@ class Budgeter:
                     timeout = min(timeout, poll_in)
                 if reclaim_pending:
                     timeout = min(timeout, last_sample + RECLAIM_GAP_S - now)
-                poller = select.poll()
-                poller.register(self._stop_r, select.POLLIN)
-                poller.register(self._wake_r, select.POLLIN)
-                by_fd = {}
-                for armed in watch.sources():
-                    poller.register(armed.fd, armed.events)
-                    by_fd[armed.fd] = armed
+                by_fd = {armed.fd: armed for armed in watch.sources()}
+                wanted = {self._stop_r: select.POLLIN, self._wake_r: select.POLLIN} | \
+                    {fd: armed.events for fd, armed in by_fd.items()}
+                if wanted != registered:        # the poller is kept while the armed set is (a v2 poll: 5 ms apart)
+                    poller = select.poll()
+                    for fd, mask in wanted.items():
+                        poller.register(fd, mask)
+                    registered = wanted
                 events = poller.poll(max(0.0, timeout) * 1000)
                 if any(fd == self._stop_r for fd, _ in events):
                     return

@@ -8,10 +8,12 @@ limit, or the OOM killer takes the neighbour.  After every sample of Eq. 1-2 (:m
 
 * a **usage threshold** at the usage where that cgroup's side of Eq. 1 would take ``B_pc`` below what the live
   sessions hold (the growth ``g = (B_a - held) * (1 + k_kernel)`` from now): its usage file is read at a period
-  that shrinks with the distance to the threshold (``distance / POLL_RATE``, 2 ms at the least, 250 ms at the
-  most: a growth of up to ``POLL_RATE`` is seen within one period), and on cgroup v1 the kernel signals the
-  threshold itself (``cgroup.event_control`` with ``memory.usage_in_bytes`` and an eventfd, from the charge path:
-  every 128 pages charged per CPU); cgroup v2 has no such event;
+  that shrinks with the distance to the threshold (``distance / POLL_RATE``, 5 ms at the least, 250 ms at the
+  most: a growth of up to ``POLL_RATE`` is seen within one period, and 5 ms of a 2 GiB/s one is 10 MiB, inside
+  ``M_free``); on cgroup v1 the kernel signals the threshold itself (``cgroup.event_control`` with
+  ``memory.usage_in_bytes`` and an eventfd, from the charge path: every 128 pages charged per CPU), registered
+  never above the wanted one, and the usage is read every 250 ms only, after a registration at once (it waits for
+  an RCU grace period, and the usage may pass the threshold meanwhile); cgroup v2 has no such event;
 * **reclaim events** for a cgroup already full of page cache, whose usage stays at the limit while anonymous
   memory displaces the cache: v1 ``memory.pressure_level`` (``low``: any reclaim), v2 ``memory.events``
   (``high``/``max`` counted: ``poll`` wakes on the file's change) and a PSI trigger on the cgroup's
@@ -38,7 +40,7 @@ log = logging.getLogger("bladed.residency.watch")
 #: the fastest growth a v2 poll is sized to catch within one period (bytes/s); faster than any process faults
 #: pages in on the machines measured (docs/operations.md, "Memory")
 POLL_RATE = 8 << 30
-POLL_MIN_S = 0.002
+POLL_MIN_S = 0.005
 POLL_MAX_S = 0.25
 #: a threshold is never armed closer than this above the usage (a cgroup over its budget re-samples every step)
 MIN_STEP = 2 << 20
@@ -74,6 +76,8 @@ class _Polled:
     path: str
     fd: int
     threshold: int
+    #: the kernel signals its threshold too (v1): the usage is read at the longest period, a safety net
+    eventfd: bool = False
 
 
 def thresholds(limits: Any, held: int, pinned_uncharged: int, kernel_overhead: float, host_available: int,
@@ -114,14 +118,14 @@ class MemoryWatch:
         self.armed: dict[str, int] = {}                 # path -> the usage threshold armed
 
     # -- arming --------------------------------------------------------------------------------------------
-    def arm(self, want: dict[str, int]) -> None:
-        """Arm the usage thresholds ``want`` (path -> bytes, :func:`thresholds`) and, once per cgroup, its reclaim
-        events; drop what no longer binds.
+    def arm(self, want: dict[str, int], usage: dict[str, int] | None = None) -> None:
+        """Arm the usage thresholds ``want`` (path -> bytes, :func:`thresholds`; ``usage``: each cgroup's usage
+        they were computed from) and, once per cgroup, its reclaim events; drop what no longer binds.
 
         Every limited cgroup's usage is polled at a period that shrinks with the distance to its threshold
         (:meth:`poll_crossed`); on v1 an eventfd threshold wakes the thread too, re-registered only when the wanted
         one moved by more than :data:`THRESHOLD_SLACK` (a registration waits for an RCU grace period, tens of
-        milliseconds on a busy box: not a cost to pay at every step of a spike, where the poll is every 2 ms)."""
+        milliseconds on a busy box: not a cost to pay at every step of a spike)."""
         for path in list(self._thresholds):
             if path not in want:
                 self._thresholds.pop(path)[1].close()
@@ -136,7 +140,10 @@ class MemoryWatch:
             if self.version != "v1" or path in self._no_eventfd:
                 continue
             old = self._thresholds.get(path)
-            if old is not None and abs(old[0] - threshold) <= THRESHOLD_SLACK:
+            # never later than wanted and never crossed already (the kernel signals a crossing once); earlier by up to
+            # the slack (an early event is one more sample, cheap)
+            now = (usage or {}).get(path, 0)
+            if old is not None and max(threshold - THRESHOLD_SLACK, now + 1) <= old[0] <= threshold:
                 continue
             src = self._arm_threshold(path, threshold)
             if old is not None:
@@ -146,6 +153,8 @@ class MemoryWatch:
                 self._no_eventfd.add(path)
             else:
                 self._thresholds[path] = (threshold, src)
+            if path in self._polled:
+                self._polled[path].eventfd = path in self._thresholds
         self.armed = dict(want)
         if self.host_psi is not None and "host" not in self._static:
             src = self._arm_psi(self.host_psi, "host")
@@ -277,7 +286,8 @@ class MemoryWatch:
             distance = p.threshold - usage
             if distance <= 0:
                 crossed = True
-            period = min(period, max(POLL_MIN_S, distance / POLL_RATE))
+            elif not p.eventfd:
+                period = min(period, max(POLL_MIN_S, distance / POLL_RATE))
         self._next_poll = now + period
         if crossed:
             self.stats["poll"] += 1
