@@ -25,7 +25,7 @@ from daemon_util import DaemonProcess, short_tmpdir
 from bladed.blocks import PoolAttachment, PoolControl, PoolKey
 from bladed.client import Client
 from bladed.integrations.offload import BlockManager, BlockWorker
-from bladed.protocol import BadRequestError, FrameReader, IOOp, send_frame
+from bladed.protocol import BadRequestError, BusyError, FrameReader, IOOp, send_frame
 
 PAGES, PAGE = 4, 8192
 BLOCK_BYTES = PAGES * PAGE
@@ -269,8 +269,17 @@ def test_bad_keys_and_shapes_are_one_line_errors() -> None:
             c.call("blocks", action="lookup", pool=ctl.id, keys=["zz"])
         with pytest.raises(BadRequestError, match=r"no block pool 'nope'"):
             c.call("blocks", action="lookup", pool="nope", keys=[])
+        att = PoolAttachment(c, KEY, slot_blocks=2)
         with pytest.raises(ValueError, match=r"do not fit a slot of 2"):
-            PoolAttachment(c, KEY, slot_blocks=2).move(IOOp.READ, [0, 1, 2])
+            att.move(IOOp.READ, [0, 1, 2])
+        with pytest.raises(BadRequestError, match=r"attachment to a block pool"):
+            c.call("retain", session=att.session.id, tokens=list(range(32)))
+        att.close()
+        # the pool's blocks lie on the region: a whole-region TRIM is refused until it is dropped
+        with pytest.raises(BusyError, match=r"block pool\(s\) hold blocks"):
+            c.trim()
+        ctl.drop()
+        assert c.trim()["trimmed_bytes"] > 0
 
 
 def test_a_protocol_4_client_is_still_served() -> None:

@@ -120,7 +120,16 @@ class BlockStore:
                              block_tokens=block_tokens, hashes=[], grant=grant,
                              extents=[(extent.start, extent.nblocks)] if extent else [],
                              pagecache_dir=pagecache.directory, state=RECORD_READY)
-        pool = self._bind(rec, plan, pagecache, extent, fresh=True)
+        try:
+            pool = self._bind(rec, plan, pagecache, extent, fresh=True)
+        except BaseException:
+            # nothing was written yet: the extent goes back as it is, the files with their directory
+            pagecache.close()
+            if extent is not None:
+                self.allocator.free(extent)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._index_path(pid))
+            raise
         # journaled before any block is written: a crash from here on keeps (or reclaims) it
         self.journal.add_retained(rec)
         self.pools[pid] = pool

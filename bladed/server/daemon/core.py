@@ -344,6 +344,9 @@ class Daemon:
         if self.manager.sessions:
             raise RequestError(ErrorCode.BUSY, f"{len(self.manager.sessions)} session(s) open; "
                                                "trim reclaims the region only when none is")
+        if self.blocks.pools:
+            raise RequestError(ErrorCode.BUSY, f"{len(self.blocks.pools)} block pool(s) hold blocks on the region; "
+                                               "drop them first (blocks drop_pool)")
         a = self.allocator
         t0 = time.perf_counter()
         with Engine(self.device, 4) as eng:

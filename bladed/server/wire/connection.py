@@ -395,6 +395,9 @@ class Connection:
 
     def _op_retain(self, body: dict[str, Any], frame: Frame) -> dict[str, Any]:
         sess = self._session(body)
+        if self.services.blocks.owns(sess):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{sess.id} is an attachment to a block pool, whose blocks "
+                                                      "stay in the pool; retain a session's prefix instead")
         out = self.services.manager.retain(sess, body)
         if body.get("close") is True:
             del self.sessions[sess.id]
