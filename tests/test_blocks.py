@@ -237,8 +237,13 @@ def test_dropped_blocks_are_trimmed_and_a_dropped_pool_leaves_nothing(daemon: Da
     mgr = BlockManager(KEY, daemon.socket_path)
     wk = BlockWorker(KEY, caches(7), slot_blocks=8, socket_path=daemon.socket_path)
     try:
+        with Client(daemon.socket_path) as c:
+            wear0 = c.wear()["today"]["direct_bytes"]
         store(mgr, wk, keys(8), list(range(8)))
         with Client(daemon.socket_path) as c:
+            # the blocks' direct-path pages are in the wear ledger, as bladed's own writes of today
+            (pool,) = c.call("blocks", action="pools")["pools"]
+            assert c.wear()["today"]["direct_bytes"] - wear0 == 8 * (PAGES - pool["group1_kpus"]) * PAGE
             before = c.stats()["trimmed_bytes"]
             gone = mgr.evict_all()
             assert sorted(gone) == sorted(keys(8))
@@ -317,3 +322,20 @@ def test_a_restarted_daemon_is_found_again_at_once(daemon: DaemonProcess, caplog
         wk.shutdown()
         wk2.shutdown()
         mgr.close()
+
+
+def test_the_vllm_integration_imports_without_vllm() -> None:
+    """The rest of bladed (and this environment) has no vLLM: the module imports, and its spec refuses to be
+    made with one line naming what to install."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys\n"
+            "assert importlib.util.find_spec('vllm') is None\n"
+            "import bladed.integrations.vllm as v\n"
+            "try:\n"
+            "    v.BladedOffloadingSpec(None)\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.count("\n") == 1 and "tools/setup.sh --vllm" in out and "vLLM 0.32.0" in out, out
