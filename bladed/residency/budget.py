@@ -496,6 +496,8 @@ class Budgeter:
                         continue
                     reason = "periodic"
                 reclaim_pending = False
+                if reason == "threshold":
+                    watch.heat(now)      # a usage crossed: a spike may be under way (reclaim alone is routine)
                 try:
                     # a periodic sample follows the daemon into another cgroup; an event's is for the one armed
                     b = self.sample(reason, relocate=reason == "periodic", event_at=now)

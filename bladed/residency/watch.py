@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import select
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +41,12 @@ log = logging.getLogger("bladed.residency.watch")
 #: the fastest growth a v2 poll is sized to catch within one period (bytes/s); faster than any process faults
 #: pages in on the machines measured (docs/operations.md, "Memory")
 POLL_RATE = 8 << 30
+#: the shortest poll period: during a spike (an event's sample in the last HOT_S), else where no eventfd signals
+POLL_HOT_S = 0.002
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.25
+#: after an event's sample the watch stays hot this long: polls at POLL_HOT_S, registers no eventfd threshold
+HOT_S = 1.0
 #: a threshold is never armed closer than this above the usage (a cgroup over its budget re-samples every step)
 MIN_STEP = 2 << 20
 #: a v1 eventfd threshold is registered again only when the wanted one moved by more than this
@@ -76,8 +81,9 @@ class _Polled:
     path: str
     fd: int
     threshold: int
-    #: the kernel signals its threshold too (v1): the usage is read at the longest period, a safety net
-    eventfd: bool = False
+    #: the threshold the kernel signals (v1's eventfd), or None: while it is above the usage and the watch is not
+    #: hot, the usage is read at the longest period only, a safety net
+    eventfd: int | None = None
 
 
 def thresholds(limits: Any, held: int, pinned_uncharged: int, kernel_overhead: float, host_available: int,
@@ -114,8 +120,16 @@ class MemoryWatch:
         self._polled: dict[str, _Polled] = {}           # every limited cgroup: path -> its usage poll
         self._no_eventfd: set[str] = set()              # v1 cgroups whose event_control refused a threshold
         self._next_poll = 0.0
+        self._hot_until = 0.0
         self.stats = {"threshold": 0, "reclaim": 0, "psi": 0, "poll": 0}
         self.armed: dict[str, int] = {}                 # path -> the usage threshold armed
+
+    def heat(self, now: float) -> None:
+        """An event's sample was just taken: a spike may be under way (see :data:`HOT_S`)."""
+        self._hot_until = now + HOT_S
+
+    def hot(self, now: float) -> bool:
+        return now < self._hot_until
 
     # -- arming --------------------------------------------------------------------------------------------
     def arm(self, want: dict[str, int], usage: dict[str, int] | None = None) -> None:
@@ -137,8 +151,8 @@ class MemoryWatch:
             if path not in self._static:
                 self._arm_static(path)
             self._arm_poll(path, threshold)
-            if self.version != "v1" or path in self._no_eventfd:
-                continue
+            if self.version != "v1" or path in self._no_eventfd or self.hot(time.monotonic()):
+                continue             # during a spike the polls do it: a registration stalls for an RCU grace period
             old = self._thresholds.get(path)
             # never later than wanted and never crossed already (the kernel signals a crossing once); earlier by up to
             # the slack (an early event is one more sample, cheap)
@@ -154,7 +168,7 @@ class MemoryWatch:
             else:
                 self._thresholds[path] = (threshold, src)
             if path in self._polled:
-                self._polled[path].eventfd = path in self._thresholds
+                self._polled[path].eventfd = self._thresholds[path][0] if path in self._thresholds else None
         self.armed = dict(want)
         if self.host_psi is not None and "host" not in self._static:
             src = self._arm_psi(self.host_psi, "host")
@@ -278,6 +292,7 @@ class MemoryWatch:
             return False
         crossed = False
         period = POLL_MAX_S
+        hot = self.hot(now)
         for p in self._polled.values():
             try:
                 usage = int(os.pread(p.fd, 64, 0))
@@ -286,8 +301,8 @@ class MemoryWatch:
             distance = p.threshold - usage
             if distance <= 0:
                 crossed = True
-            elif not p.eventfd:
-                period = min(period, max(POLL_MIN_S, distance / POLL_RATE))
+            elif hot or p.eventfd is None or p.eventfd <= usage:
+                period = min(period, max(POLL_HOT_S if hot else POLL_MIN_S, distance / POLL_RATE))
         self._next_poll = now + period
         if crossed:
             self.stats["poll"] += 1
