@@ -304,6 +304,22 @@ def test_ledger_shares_the_budget_newest_first() -> None:
     assert json.loads(json.dumps(ledger.to_dict()))["held_bytes"] == 10 * MiB
 
 
+def test_a_holder_that_cannot_demote_leaves_the_shrink_to_the_others() -> None:
+    """A block pool holds page cache it cannot demote (fixed): a shrink takes its whole excess from the sessions,
+    even where the pool is the newest holder, so the memory files that can move do."""
+    g = Geometry(layers=8, batch=1, kv_heads=1, head_dim=1024, dtype_bytes=2, max_tokens=512)   # 1 MiB KPUs
+    ledger = BudgetLedger()
+    a = plan_session(g, Mode.DUALBLADE, 8 * MiB, 4096)
+    ledger.admit("a", a)
+    pool = plan_session(g, Mode.DUALBLADE, 4 * MiB, 4096)
+    ledger.admit("pool", pool, fixed=True)
+    assert ledger.held_bytes == 12 * MiB
+    assert ledger.shrink(8 * MiB) == {"a": 4 * MiB}      # all 4 MiB of the excess from "a"
+    ledger.release("pool")
+    ledger.admit("pool", pool)                           # admitted again without fixed: an ordinary holder
+    assert ledger.shrink(8 * MiB) == {"pool": 0}
+
+
 def test_plan_lookup_and_dict() -> None:
     g = Geometry(layers=2, batch=1, kv_heads=2, head_dim=64, dtype_bytes=2, max_tokens=16)
     p: Plan = plan_session(g, Mode.DUALBLADE, 0, 512)

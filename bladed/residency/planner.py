@@ -435,20 +435,25 @@ class BudgetLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: OrderedDict[Hashable, Plan] = OrderedDict()
+        self._fixed: set[Hashable] = set()      # held, but never asked to shrink (a block pool's page cache)
 
     def available(self, pagecache_budget_bytes: int) -> int:
         """What of ``B_pc`` the live sessions' Group 1 leaves for a new session."""
         with self._lock:
             return max(0, pagecache_budget_bytes - sum(p.group1_bytes for p in self._held.values()))
 
-    def admit(self, session: Hashable, plan: Plan) -> None:
-        """Record (or update) the page-cache bytes a session's plan holds."""
+    def admit(self, session: Hashable, plan: Plan, *, fixed: bool = False) -> None:
+        """Record (or update) the page-cache bytes a session's plan holds; ``fixed``: a holder that cannot
+        demote (:meth:`shrink` takes from the others instead)."""
         with self._lock:
             self._held[session] = plan
+            if fixed:
+                self._fixed.add(session)
 
     def release(self, session: Hashable) -> None:
         with self._lock:
             self._held.pop(session, None)
+            self._fixed.discard(session)
 
     @property
     def held_bytes(self) -> int:
@@ -463,7 +468,8 @@ class BudgetLedger:
             for session, plan in reversed(self._held.items()):
                 if excess <= 0:
                     break
-                if plan.mode not in (Mode.CACHEPOLICY, Mode.DUALBLADE) or plan.group1_bytes == 0:
+                if plan.mode not in (Mode.CACHEPOLICY, Mode.DUALBLADE) or plan.group1_bytes == 0 or \
+                        session in self._fixed:
                     continue
                 give = min(excess, plan.group1_bytes)
                 out[session] = plan.group1_bytes - give

@@ -133,7 +133,7 @@ class BlockStore:
         # journaled before any block is written: a crash from here on keeps (or reclaims) it
         self.journal.add_retained(rec)
         self.pools[pid] = pool
-        self.manager.ledger.admit(pid, plan)
+        self.manager.ledger.admit(pid, plan, fixed=True)
         event("blocks_pool_open", pool=pid, scope=scope, model=model, capacity=capacity, block_bytes=block_bytes,
               pagecache_bytes=pool.pagecache_bytes, device_bytes=pool.device_bytes)
         return pool
@@ -375,7 +375,7 @@ class BlockStore:
                 self._forget_record(rec)
                 continue
             self.pools[rec.id] = pool
-            self.manager.ledger.admit(rec.id, plan)
+            self.manager.ledger.admit(rec.id, plan, fixed=True)
             event("blocks_pool_restore", pool=rec.id, ready=pool.table.gauges()["ready"])
 
     def _forget_record(self, rec: RetainedRecord) -> None:
