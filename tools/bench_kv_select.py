@@ -567,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configs = configs_from(a)
     started = time.time()
+    at_start = machine()                  # the commit of the code this run imports, not the HEAD at its end
     with torch.no_grad():
         res_text = run_text(model, ids, [int(x) for x in a.lengths.split(",")], a.windows, a.scored, configs, log)
         res_key = None
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "schema": SCHEMA,
         "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%MZ"),
-        "machine": machine(),
+        "machine": at_start,
         "model": {"name": "SmolLM2-135M-Instruct", "source": lm.source, "identity": lm.identity, "dtype": "float32",
                   "layers": model.cfg.num_layers, "heads": model.cfg.num_heads,
                   "kv_heads": model.cfg.num_kv_heads, "head_dim": model.cfg.head_dim,
