@@ -136,10 +136,22 @@ def cmd_sweep(a: argparse.Namespace) -> int:
           f"-> {out}", file=sys.stderr)
     bar = _progress(plan.total_runs)
     try:
-        run_sweep(plan, out, bar=bar)
+        doc = run_sweep(plan, out, bar=bar)
     finally:
         if bar is not None:
             bar.close()
+    if any(p.select for p in pts):            # issue 47: the sparse points against their dense ones
+        from bladed_bench.sweep import select_summary
+
+        doc["select_summary"] = select_summary(doc)
+        with open(out, "w") as js:
+            json.dump(doc, js, indent=1)
+            js.write("\n")
+        for row in doc["select_summary"]:
+            m = row["decode_time_over_dense"]
+            print(f"{row['limit_bytes'] / GiB:.2f} GiB {row['point']}: decode ÷ dense {m['median']:.3f} "
+                  f"[{m['min']:.3f}-{m['max']:.3f}], read {row['read_bytes_per_step'] / MiB:.1f} of "
+                  f"{row['dense_read_bytes_per_step'] / MiB:.1f} MiB a step", file=sys.stderr)
     if a.report:
         for f in write_report(load([out]), a.report):
             print(f, file=sys.stderr)

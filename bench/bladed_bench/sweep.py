@@ -45,6 +45,7 @@ from bladed_bench.metrics import (
     latency_stats,
     reported_kib,
     rss_bytes,
+    summarize,
     union_seconds,
     wait_device_idle,
     wait_free_pages_reported,
@@ -421,6 +422,35 @@ class SweepRunner:
             out["fio"] = {"error": str(e)}
         out["pagecache"] = probes.pagecache_read_bw(d, self.plan.pc_probe_size)
         return out
+
+
+def select_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 47's figures of the sparse (``@<spec>``) points: per limit and point, decode time ÷ the dense point
+    of the same configuration in the same round (median [min-max] of the paired ratios), the bytes read per decode
+    step, the share of the selecting layers' pages attended and read, and the requests per step."""
+    runs = [r for r in doc["runs"] if "error" not in r and r.get("decode_s")]
+    dense = {(r["round"], r["config"], r.get("kv_format")): r for r in runs if not r.get("select")}
+    out = []
+    for name in sorted({r["name"] for r in runs if r.get("select")}):
+        for limit in sorted({r["limit_bytes"] for r in runs if r["name"] == name}):
+            rs = [r for r in runs if r["name"] == name and r["limit_bytes"] == limit]
+            pairs = [(r, dense.get((r["round"], r["config"], r.get("kv_format")))) for r in rs]
+            ratios = [r["decode_s"] / d["decode_s"] for r, d in pairs if d is not None]
+            steps = max(1, doc["workload"]["gen_len"] - 1)
+            sel = [r["select"] for r in rs if r.get("select")]
+            out.append({
+                "point": name, "limit_bytes": limit, "runs": len(rs),
+                "decode_time_over_dense": summarize(ratios),
+                "decode_s": summarize([r["decode_s"] for r in rs]),
+                "dense_decode_s": summarize([d["decode_s"] for _, d in pairs if d is not None]),
+                "read_bytes_per_step": statistics.median(r["bytes"]["decode_read"] / steps for r in rs),
+                "dense_read_bytes_per_step": statistics.median(d["bytes"]["decode_read"] / steps
+                                                               for _, d in pairs if d is not None),
+                "pages_attended_share": statistics.median(x["pages"] / x["pages_total"] for x in sel) if sel else None,
+                "pages_read_share": statistics.median(x["pages_read"] / x["pages_total"] for x in sel) if sel else None,
+                "requests_per_step": statistics.median(x["requests"] / steps for x in sel) if sel else None,
+            })
+    return out
 
 
 def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
