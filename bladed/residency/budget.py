@@ -189,9 +189,10 @@ def _eq2(usable: int, shmem: int, copy_threads: int, pinned_per_thread: int, pin
 
 SampleCallback = Callable[[BudgetBreakdown], object]
 
-#: a kernel memory event -> the first KPU it made the daemon demote written and freed: the most measured on the
-#: 2-vCPU build VM with a neighbour faulting pages in at 4000 MiB/s beside it (docs/operations.md, "Memory"); what
-#: a neighbour growing at ``absorb_rate`` takes meanwhile is what M_free must hold
+#: a kernel memory event -> memory coming back: the first KPU it made the daemon demote was written and freed 18-41 ms
+#: (median 21) after it on the 2-vCPU build VM (12.75 MiB KPUs, a neighbour faulting pages in at up to 2 GiB/s beside
+#: it), and memory comes back from that KPU's first 4 MiB piece on (docs/operations.md, "Memory"); what a neighbour
+#: growing at ``absorb_rate`` takes meanwhile is what M_free must hold
 REACTION_S = 0.025
 
 
