@@ -28,6 +28,8 @@ def test_sides_and_the_owner_allowance() -> None:
     assert parse_side("dualblade-q8") == ("dualblade", "q8") and parse_side("mmap") == ("mmap", None)
     assert parse_side("dualblade-q8@sel") == ("dualblade", "q8") and reference_side("dualblade-q8@sel") == \
         "memory-q8@sel" and reference_side("dualblade+disk") == "memory"
+    assert reference_side("dualblade@sel2") == "memory@sel2"
+    assert parse_side("dualblade+disk@sel3") == ("dualblade", None)
     with pytest.raises(ValueError, match="unknown side 'flexgen'"):
         parse_side("flexgen")
     # the owner's own memory: 48 MiB and one KPU-sized staging slot per copy thread

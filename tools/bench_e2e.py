@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV owner's own memory added to every limit, in MiB (default: 48 MiB for its interpreter "
                         "and libraries plus one staging slot per copy thread)")
     r.add_argument("--reps", type=int, default=3, help="repetitions of every side at every limit (default: 3)")
-    r.add_argument("--select", default=None, metavar="SPEC",
-                   help="the runner's --kv-select for the sides named <side>@sel (docs/kv-select.md), e.g. "
-                        "--sides memory,dualblade,dualblade@sel --select keys:0.25")
+    r.add_argument("--select", default=None, metavar="SPEC[;SPEC...]",
+                   help="the runner's --kv-select for the sides named <side>@sel (the first), <side>@sel2 (the "
+                        "second), ... (docs/kv-select.md), e.g. --sides memory,dualblade,dualblade@sel --select "
+                        "keys:0.25")
     r.add_argument("--workdir", default="/var/tmp/bladed-e2e",
                    help="the stores, the .npy files and the converted model (default: /var/tmp/bladed-e2e: on the "
                         "disk under test)")
@@ -125,21 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.reps < 1:
         print("tools/bench_e2e.py: error: --reps must be at least 1", file=sys.stderr)
         return 2
-    if any(s.endswith(SELECT_SUFFIX) for s in a.sides) != bool(a.select):
+    selects = [x.strip() for x in (a.select or "").split(";") if x.strip()]
+    if any(SELECT_SUFFIX in s for s in a.sides) != bool(selects):
         print(f"tools/bench_e2e.py: error: --select goes with sides named <side>{SELECT_SUFFIX} (and they with it)",
               file=sys.stderr)
         return 2
-    if a.select:
-        from bladed.kvselect import SelectError, parse_select
+    from bladed.kvselect import SelectError, parse_select
 
+    for spec in selects:
         try:
-            parse_select(a.select, "--select")
+            parse_select(spec, "--select")
         except SelectError as e:
             print(f"tools/bench_e2e.py: error: {e}", file=sys.stderr)
             return 2
     notes = dict(n.partition("=")[::2] for n in a.note)
     plan = E2EPlan(workload=w, sides=a.sides, fractions=a.limits, reps=a.reps, workdir=a.workdir,
-                   drop=not a.no_drop, settle=not a.no_settle, timeout_s=a.timeout, notes=notes, select=a.select,
+                   drop=not a.no_drop, settle=not a.no_settle, timeout_s=a.timeout, notes=notes, select=selects,
                    allowance=None if a.owner_allowance is None else int(a.owner_allowance * (1 << 20)))
     out = a.json or os.path.join(ROOT, "docs", "bench",
                                  time.strftime(f"e2e-{w.name}-%Y-%m-%dT%H%MZ.json", time.gmtime()))

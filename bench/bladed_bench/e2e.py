@@ -101,8 +101,9 @@ def _base(side: str) -> str:
 def side_label(side: str) -> str:
     if SETTING_SEP in side:
         return side_label(_base(side)) + " (" + ", ".join(side.split(SETTING_SEP)[1:]) + ")"
-    if side.endswith("@sel"):
-        return side_label(side.removesuffix("@sel")) + ", sparse reads"
+    if "@sel" in side:
+        name, _, n = side.rpartition("@sel")
+        return side_label(name) + f", sparse reads{f' {n}' if n else ''}"
     name, _, backing = side.partition("+")
     mode, _, fmt = name.partition("-")
     return LABELS.get(mode, mode) + (f" {fmt}" if fmt else "") + (f" ({backing} Group 1)" if backing else "")
@@ -118,9 +119,26 @@ BACKINGS = ("memory", "disk")
 SELECT_SUFFIX = "@sel"
 
 
+def select_index(side: str) -> int | None:
+    """Which of the plan's selections ``side`` runs with: ``dualblade@sel`` the first, ``dualblade@sel2`` the
+    second, ...; None for a dense side."""
+    _, at, n = _base(side).rpartition(SELECT_SUFFIX)
+    if not at or (n and not n.isdigit()):
+        return None
+    return int(n) - 1 if n else 0
+
+
 def side_selects(side: str) -> bool:
-    """Whether ``side`` runs with the plan's sparse decode reads (``dualblade@sel``, ``memory@sel``)."""
-    return _base(side).endswith(SELECT_SUFFIX)
+    """Whether ``side`` runs with one of the plan's sparse decode reads (``dualblade@sel``, ``memory@sel2``)."""
+    return select_index(side) is not None
+
+
+def dense_side(side: str) -> str:
+    """``side`` without its selection (``dualblade@sel2``: ``dualblade``; its settings kept)."""
+    base = _base(side)
+    if not side_selects(side):
+        return side
+    return base.rpartition(SELECT_SUFFIX)[0] + side[len(base):]
 
 
 def parse_side(side: str) -> tuple[str, str | None]:
@@ -128,7 +146,7 @@ def parse_side(side: str) -> tuple[str, str | None]:
     if SETTING_SEP in side and parse_side(_base(side))[0] not in BLADED_MODES:
         raise ValueError(f"side {side!r}: only a bladed side takes daemon settings")
     side_settings(side)
-    side = _base(side).removesuffix(SELECT_SUFFIX)
+    side = _base(dense_side(side))
     name, _, backing = side.partition("+")
     mode, _, fmt = name.partition("-")
     if mode not in ("memory", "mmap", *BLADED_MODES) or (backing and (backing not in BACKINGS or
@@ -141,13 +159,14 @@ def parse_side(side: str) -> tuple[str, str | None]:
 
 def side_backing(side: str) -> str | None:
     """The ``pagecache.backing`` a bladed side names (``dualblade+disk``: ``disk``), or None (the default)."""
-    return _base(side).removesuffix(SELECT_SUFFIX).partition("+")[2] or None
+    return _base(dense_side(side)).partition("+")[2] or None
 
 
 def reference_side(side: str) -> str:
     """The in-memory side whose tokens ``side``'s must equal: the same KV format and selection, KV in RAM."""
     fmt = parse_side(side)[1]
-    return "memory" + (f"-{fmt}" if fmt else "") + (SELECT_SUFFIX if side_selects(side) else "")
+    suffix = _base(side)[len(_base(dense_side(side))):]
+    return "memory" + (f"-{fmt}" if fmt else "") + suffix
 
 
 @dataclass(frozen=True)
@@ -208,7 +227,9 @@ class E2EPlan:
     #: system run at the same point of the same alternation (``tools/gpu_check_steps.py``: FlexGen)
     after_limit: Callable[[int, float, int, dict[str, Any]], None] | None = None
     #: the sparse decode reads of the ``@sel`` sides (the runner's ``--kv-select``; docs/kv-select.md)
-    select: str | None = None
+    #: the sparse decode reads of the ``@sel`` sides (the runner's ``--kv-select``; docs/kv-select.md): ``@sel`` the
+    #: first, ``@sel2`` the second, ...
+    select: list[str] = field(default_factory=list)
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -293,10 +314,11 @@ class E2ERunner:
             argv += ["--backend", "bladed", "--socket", socket_path, "--mode", mode]
         if fmt:
             argv += ["--kv-format", fmt]
-        if side_selects(side):
-            if not self.plan.select:
-                raise ValueError(f"side {side!r} needs the plan's select (tools/bench_e2e.py --select SPEC)")
-            argv += ["--kv-select", self.plan.select]
+        i = select_index(side)
+        if i is not None:
+            if i >= len(self.plan.select):
+                raise ValueError(f"side {side!r} needs selection {i + 1} of the plan's (tools/bench_e2e.py --select)")
+            argv += ["--kv-select", self.plan.select[i]]
         return argv
 
     def settle(self) -> dict[str, Any]:
@@ -603,7 +625,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         pairs += [(side.partition("+")[0], side) for side in sides if "+" in side]   # a backing against the default
         pairs += [(_base(side), side) for side in sides if SETTING_SEP in side]       # settings against the default
         pairs += [(side, b) for side in sides if side_selects(side)                 # the sparse reads
-                  for b in (side.removesuffix(SELECT_SUFFIX), "memory")]
+                  for b in (dense_side(side), "memory")]
         for a, b in pairs:
             if a in sides and b in sides:
                 ratios[f"{a}/{b}"] = {"decode_time": _med(paired(doc, a, b, "decode_s", limit)),
@@ -753,14 +775,18 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {t['measure']} | {t['target']} | {vals} | {verdict} |")
     sparse = [side for side in sides if side_selects(side)]
     if sparse:
-        lines += ["", f"Sparse decode reads (`--kv-select {doc['plan'].get('select')}`), paired ratios, median "
-                      "[min-max]:", "", "| limit (GiB) | side | decode time ÷ dense | decode tok/s ÷ memory (dense) |",
-                  "| --- | --- | --- | --- |"]
+        specs = doc["plan"].get("select") or []
+        specs = [specs] if isinstance(specs, str) else specs
+        lines += ["", "Sparse decode reads, paired ratios, median [min-max]:", "",
+                  "| limit (GiB) | side | `--kv-select` | decode time ÷ dense | decode tok/s ÷ memory (dense) |",
+                  "| --- | --- | --- | --- | --- |"]
         for row in summ["by_limit"]:
             r = row["ratios"]
             for side in sparse:
-                dense = side.removesuffix(SELECT_SUFFIX)
+                dense = dense_side(side)
+                i = select_index(side) or 0
                 lines.append(f"| {row['limit_bytes'] / GiB:.3f} | {side_label(side)} | "
+                             f"{specs[i] if i < len(specs) else '?'} | "
                              f"{_fmt(r.get(f'{side}/{dense}', {}).get('decode_time'))} | "
                              f"{_fmt(r.get(f'{side}/memory', {}).get('decode_tok_s'))} |")
     eq = summ.get("tokens_equal_memory")
