@@ -136,10 +136,10 @@ class MemoryWatch:
         """Arm the usage thresholds ``want`` (path -> bytes, :func:`thresholds`; ``usage``: each cgroup's usage
         they were computed from) and, once per cgroup, its reclaim events; drop what no longer binds.
 
-        Every limited cgroup's usage is polled at a period that shrinks with the distance to its threshold
-        (:meth:`poll_crossed`); on v1 an eventfd threshold wakes the thread too, re-registered only when the wanted
-        one moved by more than :data:`THRESHOLD_SLACK` (a registration waits for an RCU grace period, tens of
-        milliseconds on a busy box: not a cost to pay at every step of a spike)."""
+        Every limited cgroup's usage is polled (:meth:`poll_crossed`); on v1 an eventfd threshold is the fast path
+        where one is registered below the wanted threshold (by at most :data:`THRESHOLD_SLACK`) and above the
+        usage, and is registered again only outside a spike: a registration waits for an RCU grace period, tens of
+        milliseconds on a busy box, while a hot watch polls every 2 ms."""
         for path in list(self._thresholds):
             if path not in want:
                 self._thresholds.pop(path)[1].close()
