@@ -360,16 +360,21 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, positi
 def key_scores(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, page: int, scale: float) -> torch.Tensor:
     """Estimated attention mass per page and query head: ``softmax(q . k * scale)`` over each query's past
     tokens, summed per page: ``[B, Hq, Q, n]``. ``keys``: tokens-first ``[T, B, H, D]`` (T past tokens)."""
-    t, _, h, _ = keys.shape
+    t, b, h, d = keys.shape
     n = pages_of(t, page)
-    g = _grouped(q, h)
-    k = keys.float().permute(1, 2, 3, 0)                                         # [B, H, D, T]
-    logits = torch.matmul(g, k.unsqueeze(2)) * scale                             # [B, H, G, Q, T]
-    past = torch.arange(t, device=q.device)[None, :] < positions[:, None].to(q.device)   # [Q, T]
-    probs = torch.softmax(logits.masked_fill(~past, -math.inf), dim=-1)
+    hq, nq = q.shape[1], q.shape[2]
+    # one GEMM per KV head, its query heads' rows stacked; the keys as a transposed view of the tokens-first rows
+    # (a permuted copy of them cost more than the rest of the selection on the CPU)
+    qs = (q.float() * scale).reshape(b * h, (hq // h) * nq, d)
+    k = keys.float().permute(1, 2, 3, 0).reshape(b * h, d, t)
+    logits = torch.bmm(qs, k).view(b, hq, nq, t)
+    if bool((positions < t).any()):              # queries that see only part of the keys (the harness's)
+        past = torch.arange(t, device=q.device)[None, :] < positions[:, None].to(q.device)   # [Q, T]
+        logits = logits.masked_fill(~past, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
     if n * page != t:
         probs = torch.nn.functional.pad(probs, (0, n * page - t))
-    return probs.unflatten(-1, (n, page)).sum(dim=-1).flatten(1, 2)
+    return probs.unflatten(-1, (n, page)).sum(dim=-1)
 
 
 def _candidates(positions: torch.Tensor, npages: int, page: int) -> torch.Tensor:
