@@ -8,7 +8,8 @@ distinct KPUs, the same bytes at the same offsets), against the dense read of th
 
     flock /tmp/bladed-bench.lock .venv/bin/python tools/bench_select_io.py --trace var/select/trace-keys-0.25-4096.json
 
-OPT-6.7B's layer shape at batch 1 (token rows of 8 KiB, fp16), the trace's context (a 4096-token past: 256
+OPT-6.7B's layer shape at batch 1 (token rows of 8 KiB, fp16; ``--shape smollm2``: SmolLM2-135M's at batch 2 in
+float32, 1.5 KiB), the trace's context (a 4096-token past: 256
 pages of 16), a daemon on a file store, every KPU on one path (``--path pagecache``: a page-cache budget that
 holds them all, warm; ``direct``: none, the file store read with O_DIRECT). A step reads, for each of
 ``--kpus`` KPUs, the pages the trace's layers selected at one position. The three measures alternate, round
@@ -36,6 +37,8 @@ from bladed_bench.environment import machine_info  # noqa: E402
 from bladed_bench.workload import BenchDaemon, page_runs  # noqa: E402
 
 MiB = 1 << 20
+#: the token rows measured: (batch, KV heads, head_dim, dtype bytes)
+SHAPES = {"opt-6.7b": (1, 32, 128, 2), "smollm2": (2, 3, 64, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kpus", type=int, default=56, help="KPUs read per step (K and V of 28 layers)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--step", type=int, default=8, help="the trace's decode position (steps after its prompt)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="opt-6.7b",
+                   help="the token rows: OPT-6.7B's layer at batch 1 in fp16 (8 KiB, whole LBAs), or SmolLM2-135M's "
+                        "at batch 2 in float32 (1.5 KiB)")
     p.add_argument("--workdir", default="/var/tmp/bladed-select-io")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -55,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     per_kpu = [page_runs(layers[i % len(layers)], page, ntok) for i in range(a.kpus)]
     # as many layers as the longest list of runs: one_request() names a KPU per run
     nlayers = max(a.kpus, *(len(r) for r in per_kpu))
-    geometry = {"layers": nlayers, "batch": 1, "kv_heads": 32, "head_dim": 128, "dtype_bytes": 2,
-                "max_tokens": ntok + 16}
-    tb = 32 * 128 * 2
+    batch, kv_heads, head_dim, dtype_bytes = SHAPES[a.shape]
+    geometry = {"layers": nlayers, "batch": batch, "kv_heads": kv_heads, "head_dim": head_dim,
+                "dtype_bytes": dtype_bytes, "max_tokens": ntok + 16}
+    tb = batch * kv_heads * head_dim * dtype_bytes
     kpu = geometry["max_tokens"] * tb
     os.makedirs(a.workdir, exist_ok=True)
     budget = 4 * a.kpus * kpu if a.path == "pagecache" else 0
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
              "one_request/dense": [x / y for x, y in zip(results["one_request"], results["dense"], strict=True)]}
     doc: dict[str, Any] = {
         "schema": "bladed.bench_select_io/1", "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-        "machine": machine_info(), "path": a.path, "geometry": geometry, "kpus": a.kpus, "page": page,
+        "machine": machine_info(), "path": a.path, "shape": a.shape, "geometry": geometry, "kpus": a.kpus, "page": page,
         "past_tokens": ntok, "trace": {k: trace.get(k) for k in ("spec", "model", "text")},
         "bytes_per_step": moved, "requests_per_step": requests, "rounds": a.rounds, "order": "ABC, CBA, ...",
         "seconds_per_step": {k: med(v) for k, v in results.items()},
