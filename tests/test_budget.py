@@ -145,6 +145,9 @@ def test_headroom_keeps_part_of_the_limit_free(loaded_cgroup: Any) -> None:
                     absorb_rate=GiB).sample()
     assert fast.free_bytes == int(GiB * REACTION_S) > int(0.02 * 256 * MiB)
     assert full.pagecache_budget_bytes - fast.pagecache_budget_bytes >= fast.free_bytes - MiB
+    # the floor is the KV's: staging (never demoted) is admitted against M* with the headroom alone
+    assert fast.staging_usable_bytes - fast.usable_bytes == fast.free_bytes - int(0.02 * 256 * MiB)
+    assert full.staging_usable_bytes == full.usable_bytes
 
 
 @pytest.mark.root

@@ -127,11 +127,17 @@ class BudgetBreakdown:
     #: M_mapped and M_free above are its figures, descendants (the daemon's siblings) included
     binding_cgroup: str = ""
     #: every limited cgroup from the charged one up: path, limit_bytes, limit_source, usage_bytes,
-    #: anon_shmem_bytes, kernel_bytes, mapped_bytes, free_bytes and room_bytes (its side of Eq. 1)
+    #: anon_shmem_bytes, kernel_bytes, mapped_bytes, free_bytes, absorb_bytes (M_free's share above the headroom) and
+    #: room_bytes (its side of Eq. 1)
     limits: tuple[dict[str, Any], ...] = ()
     #: M_kernel (Eq. 1 as bladed computes it): the binding cgroup's charges that are neither anon, shmem nor page
     #: cache (slab, page tables, stacks), less the share Eq. 2's k_kernel already counts for bladed's disk files
     charged_kernel_bytes: int = 0
+    #: M* with M_free at its ``headroom`` share only: what memory the daemon's own staging may take.  The absorb floor
+    #: of M_free is room for a neighbour while KV in memory is demoted; staging cannot be demoted, so a reserve for
+    #: a demotion's reaction time does not protect anyone from it, and refusing every session below a limit of twice
+    #: the floor (the 48 MiB cgroups of small boxes) would make a valid config useless
+    staging_usable_bytes: int = 0
     #: the time.monotonic() of the kernel event that triggered the sample (0: none); not on the wire
     event_at: float = field(default=0.0, compare=False)
 
@@ -302,10 +308,11 @@ class Budgeter:
             # the page cache's own share of it (k_kernel of bladed's disk files) is Eq. 2's
             kernel = max(0, lc.usage - lc.anon - lc.shmem - lc.file - int(self.kernel_overhead * own_kv))
             free = self.free_bytes(lc.limit)
+            absorb = free - min(lc.limit // 2, int(self.headroom * lc.limit))   # the absorb floor's own share
             limits.append({"path": lc.path, "limit_bytes": lc.limit, "limit_source": lc.limit_source,
                            "usage_bytes": lc.usage, "usage_file": lc.usage_file, "anon_shmem_bytes": anon_shmem,
                            "kernel_bytes": kernel, "mapped_bytes": mapped, "free_bytes": free,
-                           "room_bytes": lc.limit - anon_shmem - kernel - mapped - free})
+                           "absorb_bytes": absorb, "room_bytes": lc.limit - anon_shmem - kernel - mapped - free})
         binding = min(limits, key=lambda d: int(d["room_bytes"])) if limits else None
         limited = binding is not None
         if binding is not None:
@@ -318,6 +325,8 @@ class Budgeter:
             m_mapped, m_free, m_kernel = max(0, reading.mapped - reading.shmem - own_kv), 0, 0
             cg_side = m_max - m_anon_shmem - m_mapped
         m_star = min(m_avail, cg_side)                                     # Eq. 1
+        staging_usable = min([m_avail] + [int(d["room_bytes"]) + int(d["absorb_bytes"]) for d in limits]) \
+            if limits else m_star
         uncharged, computed, b_pc = _eq2(m_star, reading.shmem - own_mem, self.copy_threads,
                                          self.pinned_per_thread_bytes,
                                          self.pinned_elsewhere_bytes, self.kernel_overhead, self.override_bytes,
@@ -335,7 +344,7 @@ class Budgeter:
             kernel_overhead=self.kernel_overhead, mapped_bytes=m_mapped, file_mapped_bytes=reading.mapped,
             own_kv_bytes=own_kv, own_kv_memory_bytes=own_mem, headroom=self.headroom, free_bytes=m_free,
             binding_cgroup=str(binding["path"]) if binding is not None else "", limits=tuple(limits),
-            charged_kernel_bytes=m_kernel,
+            charged_kernel_bytes=m_kernel, staging_usable_bytes=staging_usable,
             event_at=event_at,
         )
         with self._lock:

@@ -23,16 +23,16 @@ def working_reserve_bytes(channels: int) -> int:
 
 
 def check_staging_fits(b: BudgetBreakdown, channels: int, stride: int) -> None:
-    """Refuse a session whose staging does not fit the daemon's memory (Eq. 1's ``M*``, with the staging of
-    the open sessions not charged yet, and :func:`working_reserve_bytes` beside it): the daemon touches that
-    memory when it serves the session, and a memory cgroup answers with the OOM killer, which would end
-    every session, not with an error."""
+    """Refuse a session whose staging does not fit the daemon's memory (Eq. 1's ``M*`` without M_free's absorb
+    floor, ``staging_usable_bytes``, with the staging of the open sessions not charged yet, and
+    :func:`working_reserve_bytes` beside it): the daemon touches that memory when it serves the session, and a
+    memory cgroup answers with the OOM killer, which would end every session, not with an error."""
     need = b.pinned_uncharged_bytes + working_reserve_bytes(channels)
-    if b.usable_bytes >= need:
+    if b.staging_usable_bytes >= need:
         return
     raise RequestError(ErrorCode.NO_MEMORY,
                        f"the session's staging ({channels} x {stride} bytes) does not fit in the daemon's memory: "
-                       f"{max(0, b.usable_bytes)} bytes usable (M*: limit {b.memory_limit_bytes} of "
+                       f"{max(0, b.staging_usable_bytes)} bytes usable (M*: limit {b.memory_limit_bytes} of "
                        f"{b.memory_limit_source} less {b.anon_shmem_bytes} anon+shmem), {need} needed with the "
                        f"open sessions' staging and the daemon's working reserve; open it with fewer channels or "
                        f"a smaller slot, or raise the daemon's memory limit (MemoryMax=)")
