@@ -556,6 +556,10 @@ class ReuseBuffer:
         if fresh_from is not None:
             hit &= pages < fresh_from
         miss = pages[~hit]
+        # a page read again leaves the slot it was in: else that slot, reused later for another page, would unmap
+        # the page from the slot it holds then
+        moved = at[~hit]
+        self.held[moved[moved >= 0]] = -1
         keep = torch.zeros(self.capacity, dtype=torch.bool)
         keep[at[hit]] = True
         free = (~keep).nonzero().flatten()[:miss.numel()]

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bladed.kvselect import (
     SelectError,
@@ -203,6 +205,38 @@ def test_the_reuse_buffer_never_serves_a_stale_page() -> None:
     assert check([2, 3], 71) == 1
     hits, lookups = reader.reuse()
     assert (hits, lookups) == (5, 14)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.lists(st.integers(0, 11), min_size=1, max_size=6), st.booleans()),
+                      min_size=1, max_size=40))
+def test_the_reuse_buffer_gives_the_stores_rows_over_many_steps(steps: list[tuple[list[int], bool]]) -> None:
+    """Any run of steps (selections of up to 6 of 12 pages, a one-token append after some): what the reader gives
+    is what the store holds. Found by a 64-token decode: a partial page read again each step left its old buffer
+    slot mapped to it, and reusing that slot unmapped the page from the slot it had moved to."""
+    max_tokens = 12 * PAGE + 40
+    geometry = kv_geometry(layers=1, batch=B, kv_heads=H, head_dim=D, max_tokens=max_tokens, dtype=torch.float32)
+    backend = MemoryKV(geometry)
+    slots = SlotTensors(backend, torch.float32)
+    state = SelectionState(parse_select("keys:0.5"), 1, max_tokens, 1.0)
+    reader = PageReader(backend, slots, state)
+    g = torch.Generator().manual_seed(5)
+    truth = torch.randn(max_tokens, B, H, D, generator=g)
+    ntokens = 12 * PAGE - 3                   # the last page partial
+    slots.put(0, 0, truth[:ntokens].permute(1, 2, 0, 3))
+    backend.write(0, "k", 0, 0, ntokens)
+    state.on_write(0, 0, truth[:ntokens])
+    for chosen, append in steps:
+        pages = torch.tensor(sorted(set(chosen)))
+        reader.read(0, "k", 0, pages, ntokens)
+        got = reader.take(0, "k", 0, pages, ntokens)
+        want = torch.cat([truth[p * PAGE:min((p + 1) * PAGE, ntokens)] for p in pages.tolist()])
+        assert torch.equal(got.permute(2, 0, 1, 3), want)
+        if append and ntokens < max_tokens:
+            slots.put(0, ntokens, truth[ntokens:ntokens + 1].permute(1, 2, 0, 3))
+            backend.write(0, "k", 0, ntokens, 1)
+            state.on_write(0, ntokens, truth[ntokens:ntokens + 1])
+            ntokens += 1
 
 
 def test_the_page_summaries_are_min_and_max_per_page() -> None:
