@@ -440,3 +440,34 @@ def test_formula_on_fake_v2(limit: int, anon: int, shmem: int, avail: int, n: in
     assert (b.memory_limit_bytes, b.anon_shmem_bytes, b.usable_bytes) == (limit, anon + shmem, m_star)
     # the new session's staging always counts; the open sessions' only beyond the shmem charged
     assert b.pagecache_budget_bytes == max(0, m_star - n * pin - max(0, others - shmem)) >= 0
+
+
+def test_a_usage_that_sits_past_its_threshold_is_one_crossing_not_one_per_poll(tmp_path: pathlib.Path) -> None:
+    """A cgroup at its limit, full of page cache, keeps its usage past the capped threshold: the watch reports that
+    once (the sample that armed it saw it), then only a further MIN_STEP of growth, or a fall below and a rise
+    again. Found on the build VM: a Dual-Blade session at its limit kept the budget's thread sampling every 2 ms,
+    0.8 of a core."""
+    from bladed.residency.watch import MIN_STEP, MemoryWatch
+
+    usage = tmp_path / "memory.current"
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 0\n")
+    path = str(tmp_path)
+
+    def poll(at: int) -> bool:
+        usage.write_text(f"{at}\n")
+        return w.poll_crossed(float("inf"))          # always due
+
+    limit_cap = 100 * MiB
+    usage.write_text(f"{limit_cap + MiB}\n")
+    w = MemoryWatch("v2", host_psi=None)
+    try:
+        w.arm({path: limit_cap}, {path: limit_cap + MiB})    # armed by a sample that saw the usage past it
+        assert not poll(limit_cap + MiB) and not poll(limit_cap + MiB + MIN_STEP - 1)
+        assert poll(limit_cap + MiB + MIN_STEP)              # it grew on
+        assert not poll(limit_cap + MiB + MIN_STEP)
+        assert not poll(limit_cap - MiB)                     # below, then past again: a crossing
+        assert poll(limit_cap)
+        w.arm({path: 120 * MiB}, {path: 110 * MiB})          # an ordinary threshold above the usage
+        assert not poll(110 * MiB) and poll(120 * MiB)
+    finally:
+        w.close()

@@ -84,6 +84,10 @@ class _Polled:
     #: the threshold the kernel signals (v1's eventfd), or None: while it is above the usage and the watch is not
     #: hot, the usage is read at the longest period only, a safety net
     eventfd: int | None = None
+    #: the usage at or past the threshold that a sample has seen (the one that armed it, or the one a crossing
+    #: asked for), None while the usage is below it: past the threshold, only a further :data:`MIN_STEP` of
+    #: growth is a crossing again
+    seen: int | None = None
 
 
 def thresholds(limits: Any, held: int, pinned_uncharged: int, kernel_overhead: float, host_available: int,
@@ -150,13 +154,15 @@ class MemoryWatch:
         for path, threshold in want.items():
             if path not in self._static:
                 self._arm_static(path)
-            self._arm_poll(path, threshold)
+            now = (usage or {}).get(path, 0)
+            self._arm_poll(path, threshold, now if usage is not None and path in usage else None)
             if self.version != "v1" or path in self._no_eventfd or self.hot(time.monotonic()):
                 continue             # during a spike the polls do it: a registration stalls for an RCU grace period
+            if now >= threshold:     # past a capped threshold already: what the kernel signals is the next step
+                threshold = now + MIN_STEP
             old = self._thresholds.get(path)
             # never later than wanted and never crossed already (the kernel signals a crossing once); earlier by up to
             # the slack (an early event is one more sample, cheap)
-            now = (usage or {}).get(path, 0)
             if old is not None and max(threshold - THRESHOLD_SLACK, now + 1) <= old[0] <= threshold:
                 continue
             src = self._arm_threshold(path, threshold)
@@ -202,7 +208,7 @@ class MemoryWatch:
         log.debug("memory watch: usage threshold %d armed on %s (eventfd %d)", threshold, path, src.fd)
         return src
 
-    def _arm_poll(self, path: str, threshold: int) -> None:
+    def _arm_poll(self, path: str, threshold: int, usage: int | None) -> None:
         p = self._polled.get(path)
         if p is None:
             name = "memory.usage_in_bytes" if self.version == "v1" else "memory.current"
@@ -213,6 +219,9 @@ class MemoryWatch:
                 return
             p = self._polled[path] = _Polled(path, fd, threshold)
         p.threshold = threshold
+        # the sample that armed it measured this usage: a threshold capped below it (a cgroup that sits at its limit,
+        # full of page cache) is not crossed by what that sample saw, else every poll would sample again
+        p.seen = usage if usage is not None and usage >= threshold else None
         self._next_poll = 0.0             # measure at once against the new threshold (it may be crossed already)
 
     def _arm_static(self, path: str) -> None:
@@ -300,9 +309,16 @@ class MemoryWatch:
                 continue
             distance = p.threshold - usage
             if distance <= 0:
-                crossed = True
-            elif hot or p.eventfd is None or p.eventfd <= usage:
-                period = min(period, max(POLL_HOT_S if hot else POLL_MIN_S, distance / POLL_RATE))
+                # past it: a crossing, unless a sample saw it there and it grew less than MIN_STEP since (a cgroup
+                # at its limit, whose growth shows in reclaim events, not in its usage)
+                if p.seen is None or usage >= p.seen + MIN_STEP:
+                    crossed, p.seen = True, usage
+                elif hot or p.eventfd is None or p.eventfd <= usage:
+                    period = min(period, POLL_HOT_S if hot else POLL_MIN_S)
+            else:
+                p.seen = None
+                if hot or p.eventfd is None or p.eventfd <= usage:
+                    period = min(period, max(POLL_HOT_S if hot else POLL_MIN_S, distance / POLL_RATE))
         self._next_poll = now + period
         if crossed:
             self.stats["poll"] += 1
