@@ -26,7 +26,8 @@ WINDOW_S = 10.0
 
 
 def cpu_seconds(pid: int) -> float:
-    st = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as f:
+        st = f.read().rsplit(")", 1)[1].split()
     return (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -59,7 +60,7 @@ def measure() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bladed_bench.at_limit", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bladed_bench.at_limit", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--json", help="write the result here (default: stdout only)")
     ap.add_argument("--note", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
