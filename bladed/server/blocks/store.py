@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import secrets
 import shutil
@@ -13,7 +12,7 @@ import threading
 from typing import Any
 
 from bladed.config import Config
-from bladed.io import Engine, ExtentDevice, StagingBuffer
+from bladed.io import ExtentDevice
 from bladed.protocol import ErrorCode, RequestError, get_field
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.geometry import Geometry
@@ -26,7 +25,6 @@ from bladed.server.sessions.manager import SessionManager
 from bladed.server.sessions.session import ServedSession
 from bladed.server.sessions.staging import prepare_memfd
 from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
-from bladed.server.storage.channel import Channel
 from bladed.server.storage.journal import READY as RECORD_READY
 from bladed.server.storage.journal import Journal, RetainedRecord
 from bladed.server.storage.pagecache_store import RETAINED_DIR_PREFIX
@@ -205,24 +203,10 @@ class BlockStore:
         sess = ServedSession(sid, peer, g, pool.plan, {}, self.stats)
         sess.pagecache, sess.extent_store, sess.checksums = pool.pagecache, pool.extent_store, pool.checksums
         try:
-            sess.mapping = mmap.mmap(fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            sess.staging_bytes, sess.slot_bytes, sess.slot_stride = staging_bytes, slot_bytes, stride
-            view = memoryview(sess.mapping)
-            try:
-                slots = [StagingBuffer.wrap(view[c * stride:c * stride + slot_bytes]) for c in range(channels)]
-            finally:
-                view.release()
-            for c, slot in enumerate(slots):
-                try:
-                    engine = Engine(self.device, cfg.io.queue_depth, [slot])
-                except OSError as e:
-                    for s in slots[c:]:
-                        s.close()
-                    raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {c}: {e}") from None
-                # the pool's stores are shared: with rows of whole LBAs (page_bytes, checked) and the page-aligned
-                # offsets bladed.blocks sends, no range needs their per-channel edge or bounce buffers
-                sess.channels.append(Channel(c, engine, slot, cfg.io.read_window_bytes))
-                self.stats.watch_lane(sess.channels[-1])
+            # the pool's stores are shared: with rows of whole LBAs (page_bytes, checked) and the page-aligned
+            # offsets bladed.blocks sends, no range needs their per-channel edge or bounce buffers
+            sess.map_staging(fd, staging_bytes, slot_bytes, stride, channels, self.device, cfg.io.queue_depth,
+                             cfg.io.read_window_bytes, self.stats)
         except BaseException:
             self._release(sess)
             raise

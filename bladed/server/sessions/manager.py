@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import mmap
 import os
 import secrets
 import threading
@@ -22,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bladed.config import Config
-from bladed.io import Engine, ExtentDevice, StagingBuffer
+from bladed.io import ExtentDevice
 from bladed.protocol import ErrorCode, RequestError, get_field
 from bladed.residency.extents import Extent, ExtentAllocator, RegionFullError
 from bladed.residency.geometry import Geometry
@@ -243,25 +242,8 @@ class SessionManager:
         # journal before anything touches storage, so a crash from here on is reclaimed
         self.journal_session(sess)
         pagecache.create()
-        try:
-            sess.mapping = mmap.mmap(fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"cannot map the staging memfd: {e}") from None
-        sess.staging_bytes, sess.slot_bytes, sess.slot_stride = staging_bytes, slot_bytes, stride
-        view = memoryview(sess.mapping)
-        try:
-            slots = [StagingBuffer.wrap(view[ch * stride:ch * stride + slot_bytes]) for ch in range(channels)]
-        finally:
-            view.release()
-        for ch, slot in enumerate(slots):
-            try:
-                engine = Engine(self.device, self.cfg.io.queue_depth, [slot])
-            except OSError as e:
-                for s in slots[ch:]:
-                    s.close()
-                raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {ch}: {e}") from None
-            sess.channels.append(Channel(ch, engine, slot, self.cfg.io.read_window_bytes))
-            self.stats.watch_lane(sess.channels[-1])
+        sess.map_staging(fd, staging_bytes, slot_bytes, stride, channels, self.device, self.cfg.io.queue_depth,
+                         self.cfg.io.read_window_bytes, self.stats)
         if plan.mode in (Mode.DIRECT, Mode.DUALBLADE):
             # the edge scratch of rows that are not whole LBAs: here before any KPU is on (or moves to) the extent
             extent_store.prepare()

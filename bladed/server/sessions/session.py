@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bladed.io import Engine, ExtentDevice, StagingBuffer
 from bladed.protocol import NO_HIT, ErrorCode, IORange, RangeResult, RequestError, ServedRow
 from bladed.residency.extents import Extent
 from bladed.residency.geometry import Geometry
@@ -143,6 +144,31 @@ class ServedSession:
         with self._count_lock:
             for cause, n in written.items():
                 self._written_elsewhere[cause] = self._written_elsewhere.get(cause, 0) + n
+
+    # -- staging and channels ---------------------------------------------------------
+    def map_staging(self, fd: int, staging_bytes: int, slot_bytes: int, stride: int, channels: int,
+                    device: ExtentDevice, queue_depth: int, read_window_bytes: int, stats: Stats) -> None:
+        """Map the client's staging memfd ``fd`` and give every slot of it a channel (its own io_uring); a
+        failure is one line (the caller releases what was set up)."""
+        try:
+            self.mapping = mmap.mmap(fd, staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"cannot map the staging memfd: {e}") from None
+        self.staging_bytes, self.slot_bytes, self.slot_stride = staging_bytes, slot_bytes, stride
+        view = memoryview(self.mapping)
+        try:
+            slots = [StagingBuffer.wrap(view[ch * stride:ch * stride + slot_bytes]) for ch in range(channels)]
+        finally:
+            view.release()
+        for ch, slot in enumerate(slots):
+            try:
+                engine = Engine(device, queue_depth, [slot])
+            except OSError as e:
+                for s in slots[ch:]:
+                    s.close()
+                raise RequestError(ErrorCode.IO_ERROR, f"cannot set up io_uring for channel {ch}: {e}") from None
+            self.channels.append(Channel(ch, engine, slot, read_window_bytes))
+            stats.watch_lane(self.channels[-1])
 
     # -- data connections -------------------------------------------------------------
     def attach(self, conn: Any) -> None:
