@@ -23,7 +23,7 @@ from bladed.server.events import Peer, event
 from bladed.server.metrics import Stats
 from bladed.server.sessions.manager import SessionManager
 from bladed.server.sessions.session import ServedSession
-from bladed.server.sessions.staging import prepare_memfd
+from bladed.server.sessions.staging import passed_memfd, prepare_memfd
 from bladed.server.storage import ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.journal import READY as RECORD_READY
 from bladed.server.storage.journal import Journal, RetainedRecord
@@ -176,15 +176,8 @@ class BlockStore:
     # -- attachments ----------------------------------------------------------------------
     def attach(self, peer: Peer, body: dict[str, Any], fds: list[int]) -> tuple[ServedSession, dict[str, Any]]:
         """``open_blocks``: a session over a pool's storage with the client's staging; (session, reply)."""
-        try:
-            if len(fds) != 1:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"open_blocks needs exactly one staging memfd passed with "
-                                                          f"SCM_RIGHTS, got {len(fds)} descriptors")
-            return self._attach(peer, body, fds[0])
-        finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        with passed_memfd("open_blocks", fds) as fd:
+            return self._attach(peer, body, fd)
 
     def _attach(self, peer: Peer, body: dict[str, Any], fd: int) -> tuple[ServedSession, dict[str, Any]]:
         cfg = self.cfg

@@ -10,10 +10,8 @@ by the first request that touches them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import secrets
 import threading
 import time
@@ -33,7 +31,7 @@ from bladed.server.sessions.budget_reading import OPEN_MAX_AGE_S, BudgetSampler
 from bladed.server.sessions.replan import LiveReplanner
 from bladed.server.sessions.rules import open_geometry, open_staging
 from bladed.server.sessions.session import ServedSession
-from bladed.server.sessions.staging import check_staging_fits, prepare_memfd
+from bladed.server.sessions.staging import check_staging_fits, passed_memfd, prepare_memfd
 from bladed.server.storage import ChannelIO, ExtentKPUStore, PageCacheKPUStore
 from bladed.server.storage.channel import Channel
 from bladed.server.storage.integrity import Checksums
@@ -109,16 +107,8 @@ class SessionManager:
     # -- open --------------------------------------------------------------------------
     def open(self, peer: Peer, body: dict[str, Any], fds: list[int]) -> ServedSession:
         """Plan, bind and start a session from an ``open_session`` request (takes ownership of ``fds``)."""
-        try:
-            if len(fds) != 1:
-                raise RequestError(ErrorCode.BAD_REQUEST,
-                                   f"open_session needs exactly one staging memfd passed with SCM_RIGHTS, got "
-                                   f"{len(fds)} descriptors")
-            return self._open(peer, body, fds[0])
-        finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        with passed_memfd("open_session", fds) as fd:
+            return self._open(peer, body, fd)
 
     def _open(self, peer: Peer, body: dict[str, Any], fd: int) -> ServedSession:
         cfg = self.cfg

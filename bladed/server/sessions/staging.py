@@ -3,9 +3,11 @@ memory holds it beside its working reserve.  Must not touch storage."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 
 from bladed.protocol import ErrorCode, RequestError
 from bladed.residency.budget import BudgetBreakdown
@@ -36,6 +38,21 @@ def check_staging_fits(b: BudgetBreakdown, channels: int, stride: int) -> None:
                        f"{b.memory_limit_source} less {b.anon_shmem_bytes} anon+shmem), {need} needed with the "
                        f"open sessions' staging and the daemon's working reserve; open it with fewer channels or "
                        f"a smaller slot, or raise the daemon's memory limit (MemoryMax=)")
+
+
+@contextlib.contextmanager
+def passed_memfd(op: str, fds: list[int]) -> Iterator[int]:
+    """The one staging memfd request ``op`` passed with SCM_RIGHTS; every descriptor passed is closed after (the
+    daemon keeps its own mapping)."""
+    try:
+        if len(fds) != 1:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{op} needs exactly one staging memfd passed with SCM_RIGHTS, "
+                                                      f"got {len(fds)} descriptors")
+        yield fds[0]
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def prepare_memfd(fd: int, need: int) -> None:
@@ -71,4 +88,4 @@ def prepare_memfd(fd: int, need: int) -> None:
         raise RequestError(ErrorCode.BAD_REQUEST, f"the staging memfd has {st.st_size} bytes, {need} announced")
 
 
-__all__ = ["HEAP_RESERVE_BYTES", "check_staging_fits", "prepare_memfd", "working_reserve_bytes"]
+__all__ = ["HEAP_RESERVE_BYTES", "check_staging_fits", "passed_memfd", "prepare_memfd", "working_reserve_bytes"]
