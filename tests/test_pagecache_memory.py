@@ -278,33 +278,44 @@ def test_a_neighbour_taking_memory_makes_bladed_demote_not_the_kernel_kill(tmp: 
         assert d.proc is not None and d.stop() == 0
 
 
-@pytest.mark.root
-def test_a_cgroup_at_its_limit_full_of_cache_is_not_sampled_on_every_poll(tmp: str) -> None:
-    """A Dual-Blade session's daemon in a memory cgroup that a neighbour fills to its limit with page cache: the
-    usage sits past the watch's (capped) threshold and cannot grow, so the usage is one event, not one per poll.
-    Over five of the schedule's periodic samples the watch asks for a handful of samples at most (before the fix,
-    one every 2 ms: the budget's thread took 0.999 of a core where it now takes 0.001, docs/operations.md)."""
+@contextlib.contextmanager
+def at_limit_full_of_cache(tmp: str, budget: dict[str, Any] | None = None
+                           ) -> Iterator[tuple[ChildCgroup, DaemonProcess, Client, Model]]:
+    """A daemon (``budget``: its budget settings beside the cgroup) with a Dual-Blade session of 16 MiB of KV in
+    memory, in a memory cgroup that a neighbour has filled to its limit with page cache: (cgroup, daemon, client,
+    the session's model), the neighbour alive while the block runs. Also ``bench/bladed_bench/at_limit.py``'s."""
     with ChildCgroup(None) as cg:
-        cfg = {"budget": {"cgroup": cg.path, "interval_s": 0.2}, "device": {"size": "128M"}}
+        cfg = {"budget": {"cgroup": cg.path, **(budget or {})}, "device": {"size": "128M"}}
         with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
+            assert d.pid is not None
             cg.add(d.pid)
             sample = c.budget()["sample"]
             cg.set_limit(sample["anon_shmem_bytes"] + sample["file_bytes"] + (96 << 20))
             (m,) = open_models(c, [MIB_KPUS])
             with Worker(cg) as neighbour:
                 neighbour.call("write_file", path=os.path.join(tmp, "cache.bin"), nbytes=256 << 20)
-                (lc,) = c.budget()["sample"]["limits"]
-                assert lc["usage_bytes"] > lc["limit_bytes"] - (8 << 20), "the cgroup is not at its limit"
-                before = c.stats()["replan"]["budget_samples"]
-                for _ in range(5):
-                    next_scheduled_sample(c)
-                after = c.stats()["replan"]["budget_samples"]
-            events = sum(int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("threshold", "pressure"))
-            assert events <= 10, (before, after)
-            assert c.stats()["replan"]["demoted_kpus"] == 0 and m.check()
+                yield cg, d, c, m
             m.sess.close()
+
+
+@pytest.mark.root
+def test_a_cgroup_at_its_limit_full_of_cache_is_not_sampled_on_every_poll(tmp: str) -> None:
+    """A Dual-Blade session's daemon in a memory cgroup that a neighbour fills to its limit with page cache: the
+    usage sits past the watch's (capped) threshold and cannot grow, so the usage is one event, not one per poll.
+    Over five of the schedule's periodic samples the watch asks for a handful of samples at most (before the fix,
+    one every 2 ms: the daemon took 0.999 of a core where it now takes 0.031, docs/operations.md)."""
+    with at_limit_full_of_cache(tmp, {"interval_s": 0.2}) as (cg, d, c, m):
+        (lc,) = c.budget()["sample"]["limits"]
+        assert lc["usage_bytes"] > lc["limit_bytes"] - (8 << 20), "the cgroup is not at its limit"
+        before = c.stats()["replan"]["budget_samples"]
+        for _ in range(5):
+            next_scheduled_sample(c)
+        after = c.stats()["replan"]["budget_samples"]
+        events = sum(int(after.get(k, 0)) - int(before.get(k, 0)) for k in ("threshold", "pressure"))
+        assert events <= 10, (before, after)
+        assert c.stats()["replan"]["demoted_kpus"] == 0 and m.check()
         assert oom_kills(cg.path) == 0
-        assert d.proc is not None and d.stop() == 0
+    assert d.proc is not None and d.stop() == 0
 
 
 #: 2 MiB KPUs, 16 layers: 64 MiB of KV

@@ -18,10 +18,8 @@ from typing import Any
 from bladed_bench.environment import git_info, machine_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]     # the suite's real-cgroup and daemon helpers
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]     # the suite's at-limit set-up (real cgroups, daemon)
 
-#: 8 layers of 1 MiB KPUs (16 MiB of KV): all on the page-cache path
-GEOMETRY = {"layers": 8, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 256}
 WINDOW_S = 10.0
 
 
@@ -32,28 +30,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure() -> dict[str, Any]:
-    from cgroup_util import ChildCgroup, Worker
-    from daemon_util import DaemonProcess
-    from test_replan_live import open_models
+    from test_pagecache_memory import at_limit_full_of_cache
 
-    from bladed.client import Client
-
-    tmp = tempfile.mkdtemp(prefix="bladed-at-limit-")
-    with ChildCgroup(None) as cg:
-        cfg = {"budget": {"cgroup": cg.path}, "device": {"size": "128M"}}
-        with DaemonProcess(tmp, cfg).start() as d, Client(d.socket_path) as c:
-            assert d.pid is not None
-            cg.add(d.pid)
-            s = c.budget()["sample"]
-            cg.set_limit(s["anon_shmem_bytes"] + s["file_bytes"] + (96 << 20))
-            (m,) = open_models(c, [GEOMETRY])
-            with Worker(cg) as neighbour:
-                neighbour.call("write_file", path=os.path.join(tmp, "cache.bin"), nbytes=256 << 20)
-                before, cpu0, t0 = c.stats()["replan"]["budget_samples"], cpu_seconds(d.pid), time.monotonic()
-                time.sleep(WINDOW_S)        # the measured window: nothing is waited for
-                after, cpu1, t1 = c.stats()["replan"]["budget_samples"], cpu_seconds(d.pid), time.monotonic()
-                (lc,) = c.budget()["sample"]["limits"]
-            m.sess.close()
+    with at_limit_full_of_cache(tempfile.mkdtemp(prefix="bladed-at-limit-")) as (_, d, c, _):
+        before, cpu0, t0 = c.stats()["replan"]["budget_samples"], cpu_seconds(d.pid), time.monotonic()
+        time.sleep(WINDOW_S)        # the measured window: nothing is waited for
+        after, cpu1, t1 = c.stats()["replan"]["budget_samples"], cpu_seconds(d.pid), time.monotonic()
+        (lc,) = c.budget()["sample"]["limits"]
     return {"daemon_cpu_cores": round((cpu1 - cpu0) / (t1 - t0), 4),
             "budget_samples": {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in after},
             "usage_bytes": lc["usage_bytes"], "limit_bytes": lc["limit_bytes"], "window_s": round(t1 - t0, 2)}

@@ -274,7 +274,12 @@ class Budgeter:
         """``M_free`` of a cgroup limited to ``limit``: the ``headroom`` fraction of it, and at least what a neighbour
         growing at ``absorb_rate`` takes while a demotion it triggers is under way (:data:`REACTION_S`); never more
         than half of the limit."""
-        return min(limit // 2, max(int(self.headroom * limit), int(self.absorb_rate * REACTION_S)))
+        return min(limit // 2, max(self.headroom_bytes(limit), int(self.absorb_rate * REACTION_S)))
+
+    def headroom_bytes(self, limit: int) -> int:
+        """The ``headroom`` share of ``M_free`` alone (what a session's staging is admitted against), capped as
+        :meth:`free_bytes` is."""
+        return min(limit // 2, int(self.headroom * limit))
 
     # -- sampling --------------------------------------------------------------
     def locate(self) -> CgroupInfo:
@@ -308,7 +313,7 @@ class Budgeter:
             # the page cache's own share of it (k_kernel of bladed's disk files) is Eq. 2's
             kernel = max(0, lc.usage - lc.anon - lc.shmem - lc.file - int(self.kernel_overhead * own_kv))
             free = self.free_bytes(lc.limit)
-            absorb = free - min(lc.limit // 2, int(self.headroom * lc.limit))   # the absorb floor's own share
+            absorb = free - self.headroom_bytes(lc.limit)                  # the absorb floor's own share
             limits.append({"path": lc.path, "limit_bytes": lc.limit, "limit_source": lc.limit_source,
                            "usage_bytes": lc.usage, "usage_file": lc.usage_file, "anon_shmem_bytes": anon_shmem,
                            "kernel_bytes": kernel, "mapped_bytes": mapped, "free_bytes": free,

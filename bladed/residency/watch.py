@@ -154,8 +154,9 @@ class MemoryWatch:
         for path, threshold in want.items():
             if path not in self._static:
                 self._arm_static(path)
-            now = (usage or {}).get(path, 0)
-            self._arm_poll(path, threshold, now if usage is not None and path in usage else None)
+            seen = (usage or {}).get(path)
+            now = seen or 0
+            self._arm_poll(path, threshold, seen)
             if self.version != "v1" or path in self._no_eventfd or self.hot(time.monotonic()):
                 continue             # during a spike the polls do it: a registration stalls for an RCU grace period
             if now >= threshold:     # past a capped threshold already: what the kernel signals is the next step
@@ -308,17 +309,15 @@ class MemoryWatch:
             except (OSError, ValueError):
                 continue
             distance = p.threshold - usage
-            if distance <= 0:
+            if distance > 0:
+                p.seen = None
+            elif p.seen is None or usage >= p.seen + MIN_STEP:
                 # past it: a crossing, unless a sample saw it there and it grew less than MIN_STEP since (a cgroup
                 # at its limit, whose growth shows in reclaim events, not in its usage)
-                if p.seen is None or usage >= p.seen + MIN_STEP:
-                    crossed, p.seen = True, usage
-                elif hot or p.eventfd is None or p.eventfd <= usage:
-                    period = min(period, POLL_HOT_S if hot else POLL_MIN_S)
-            else:
-                p.seen = None
-                if hot or p.eventfd is None or p.eventfd <= usage:
-                    period = min(period, max(POLL_HOT_S if hot else POLL_MIN_S, distance / POLL_RATE))
+                crossed, p.seen = True, usage
+                continue
+            if hot or p.eventfd is None or p.eventfd <= usage:
+                period = min(period, max(POLL_HOT_S if hot else POLL_MIN_S, distance / POLL_RATE))
         self._next_poll = now + period
         if crossed:
             self.stats["poll"] += 1
