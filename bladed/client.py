@@ -507,8 +507,7 @@ class Session:
                     check: bool = True) -> list[list[OpResult]]:
         """Several requests on channel ``ch``, pipelined (sent ahead of their replies); per request its results.
 
-        For ranges one request cannot carry together (a request names each KPU once): the pages of one KPU a
-        sparse decode step reads (``bladed.kvselect``)."""
+        For more ranges than one request may carry (``max_ranges``)."""
         replies = self.channel(ch).submit_many(requests)
         return [self._results(ch, r, res, check) for r, res in zip(requests, replies, strict=True)]
 

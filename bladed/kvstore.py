@@ -464,20 +464,24 @@ class BladedKV:
 
     def read_runs(self, layer: int, kind: Kind, ch: int, runs: list[tuple[int, int]]) -> KVOp:
         """Read several token ranges ``(token_start, ntokens)`` of one KPU into the slot (mirrored offsets): one
-        request per range, pipelined on the channel (a request names each KPU once), the deferred writes
-        riding on the first. One :class:`KVOp` for them all (its ``service_ns`` the daemon's, summed)."""
+        request for them all (protocol 6; more than ``max_ranges`` of them in several, pipelined), so the daemon
+        submits a direct KPU's runs to the device together; the deferred writes riding on the first. One
+        :class:`KVOp` for them all (its ``service_ns`` the daemon's, summed)."""
         if not runs:
             return KVOp(self._paths.get((layer, kind), "?"), 0, 0, None)
-        requests = [[self.session.range("read", layer, kind, start, n)] for start, n in runs]
+        ranges = [self.session.range("read", layer, kind, start, n) for start, n in runs]
+        limit = max(1, int(self.session.client.server.get("max_ranges", len(ranges))))
         pending = self._deferred[ch] if self.defer_writes else None
         if pending:
             tid = tensor_id(layer, kind)
-            if any(w.tensor_id == tid for w in pending):
+            if any(w.tensor_id == tid for w in pending) or len(pending) + min(len(ranges), limit) > limit:
                 self.flush(ch)                   # the write goes first, in a request of its own
             else:
-                requests[0] = [*pending, *requests[0]]
+                ranges = [*pending, *ranges]
                 self._deferred[ch], self._spare_used[ch] = [], 0
-        return combined_op([r[-1] for r in self.session.submit_many(ch, requests)])
+        requests = [ranges[i:i + limit] for i in range(0, len(ranges), limit)]
+        results = [r for reply in self.session.submit_many(ch, requests) for r in reply]
+        return combined_op([r for r in results if r.op == "read"])
 
     def flush(self, ch: int | None = None) -> None:
         """Send the deferred writes of channel ``ch`` (default: every channel)."""

@@ -48,8 +48,9 @@ from bladed._wire import ffi, lib
 #: version of the request/reply vocabulary; bumped on any incompatible change
 #: (2: data connections with binary batched I/O frames, ``attach``; 3: descriptive reply field names
 #: instead of the paper's symbols, and the daemon sizes an empty staging memfd itself; 4: prefix reuse;
-#: 5: block pools, ``open_blocks`` and ``blocks``)
-PROTOCOL_VERSION = 5
+#: 5: block pools, ``open_blocks`` and ``blocks``; 6: a request may name a KPU more than once, its ranges' tokens
+#: apart: a sparse read's runs of pages in one request)
+PROTOCOL_VERSION = 6
 #: oldest client protocol this build still serves
 MIN_PROTOCOL_VERSION = 4
 #: largest body accepted in either direction; larger frames close the connection

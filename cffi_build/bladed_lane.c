@@ -200,13 +200,19 @@ static int lane_checks(struct bd_lane *l, const uint8_t *body, uint32_t size, ui
         if (so > l->slot_bytes || nt * tb > l->slot_bytes - so)
             return 0;
         l->scratch[i] = so << 20 | i;             /* slot spans in order (slot_bytes < 2^44) */
-        l->scratch[l->limit + i] = tid;
+        /* each KPU's ranges in token order (tid < 2 * MAX_LAYERS = 2^12, t0 < 2^32, i < MAX_RANGES = 2^12) */
+        l->scratch[l->limit + i] = (uint64_t)tid << 52 | t0 << 20 | i;
     }
-    if (n > 1) {                  /* distinct KPUs, slot spans apart */
-        qsort(l->scratch + l->limit, n, sizeof(uint64_t), by_value);
-        for (uint32_t i = 1; i < n; i++)
-            if (l->scratch[l->limit + i] == l->scratch[l->limit + i - 1])
+    if (n > 1) {                  /* one KPU's ranges apart in its tokens (protocol 6), slot spans apart */
+        uint64_t *by_kpu = l->scratch + l->limit;
+        qsort(by_kpu, n, sizeof(uint64_t), by_value);
+        for (uint32_t i = 1; i < n; i++) {
+            const struct bd_io_range *prev = range_at(body, (uint32_t)(by_kpu[i - 1] & 0xfffff));
+            const struct bd_io_range *next = range_at(body, (uint32_t)(by_kpu[i] & 0xfffff));
+            if (prev->tensor_id == next->tensor_id &&
+                next->token_start < (uint64_t)prev->token_start + prev->ntokens)
                 return 0;
+        }
         qsort(l->scratch, n, sizeof(uint64_t), by_value);
         uint64_t prev_end = 0;
         for (uint32_t i = 0; i < n; i++) {

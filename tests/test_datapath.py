@@ -84,6 +84,32 @@ def test_a_batch_moves_several_kpus_at_their_slot_offsets_on_both_paths(daemon: 
             assert bytes(slot[(7 - t) * TB:(8 - t) * TB]) == b
 
 
+def test_the_runs_of_one_kpu_come_back_in_one_request_on_both_paths(daemon: DaemonProcess) -> None:
+    """A sparse read's runs of pages (protocol 6): one KPU named several times, its tokens apart, in one request
+    with another KPU's runs; each run lands at its mirrored offset and the bytes between them are not touched."""
+    with Client(daemon.socket_path) as c, c.open_session(GEO, channels=1, slot_bytes=8 * KPU) as s:
+        paths = {(k["layer"], k["kind"]): k["path"] for k in s.plan["kpus"]}
+        direct = next(lk for lk, p in paths.items() if p == "direct")
+        cached = next(lk for lk, p in paths.items() if p == "pagecache")
+        slot = s.slot(0)
+        kv = {lk: os.urandom(KPU) for lk in (direct, cached)}
+        for (layer, kind), data in kv.items():
+            slot[:KPU] = data
+            s.write(layer, kind, 0)
+        runs = [(0, 2), (3, 1), (5, 3)]
+        for first, second in ((direct, cached), (cached, direct)):
+            slot[:] = b"\xee" * len(slot)
+            requests = [s.range("read", *first, t0, n) for t0, n in runs]
+            requests += [s.range("read", *second, t0, n, slot_offset=KPU + t0 * TB) for t0, n in runs]
+            results = s.submit(0, requests)
+            assert [r.path for r in results] == [paths[first]] * 3 + [paths[second]] * 3
+            for base, lk in ((0, first), (KPU, second)):
+                for t in range(8):
+                    got = bytes(slot[base + t * TB:base + (t + 1) * TB])
+                    read = any(t0 <= t < t0 + n for t0, n in runs)
+                    assert got == (kv[lk][t * TB:(t + 1) * TB] if read else b"\xee" * TB), (lk, t)
+
+
 def test_a_bad_range_refuses_the_whole_batch_before_anything_runs(daemon: DaemonProcess) -> None:
     with Client(daemon.socket_path) as c, c.open_session(GEO, channels=1, slot_bytes=2 * KPU) as s:
         before = os.urandom(KPU)
@@ -96,7 +122,7 @@ def test_a_bad_range_refuses_the_whole_batch_before_anything_runs(daemon: Daemon
             (IORange(IOOp.READ, 8, 0, 1), OutOfRangeError,
              "range 1: layer 4 K (tensor 8) outside the session's layers 0..3"),
             (s.range("read", 3, "k", 0, 1, slot_offset=KPU), BadRequestError,
-             "range 1: layer 3 K appears twice in one request"),
+             "ranges 0 and 1 of layer 3 K overlap in its tokens"),
             (s.range("read", 2, "k", 0, 2, slot_offset=KPU - TB), BadRequestError,
              "ranges 0 and 1 overlap in the staging slot"),
             (s.range("read", 2, "k", 0, 2, slot_offset=2 * KPU - TB), OutOfRangeError,

@@ -12,7 +12,7 @@ that must hold is
 one way round, the lane would serve a request the protocol refuses; the other, it would send a request it
 could serve to the slow path.  The same generated requests, good and bad (wrong sizes, bad ops, tensors
 outside the session, token ranges outside the KPU and u32 overflow, slot offsets outside the slot, a KPU
-twice, overlapping slot spans, too many ranges), go through both here, and then through a real daemon,
+twice with its tokens apart or overlapping, overlapping slot spans, too many ranges), go through both here, and then through a real daemon,
 where the reply on the wire must be the rulebook's verdict: served by the lane (its counter moves) when
 accepted, else refused with the rulebook's error code.
 """
@@ -183,7 +183,12 @@ TABLE = [
     ("more ranges than io.max_outstanding", case_of("none", [(1, t, 0, 1, 8 * t) for t in range(4)], limit=3),
      ErrorCode.BAD_REQUEST),
     ("tensor outside the session", case_of("tensor", [(1, 4, 0, 1, 0)]), ErrorCode.OUT_OF_RANGE),
-    ("a KPU twice", case_of("twice", [(1, 1, 0, 1, 0), (1, 1, 1, 1, 8)]), ErrorCode.BAD_REQUEST),
+    ("a KPU twice, its tokens apart", case_of("twice", [(1, 1, 0, 1, 0), (1, 1, 2, 2, 8)]), None),
+    ("a KPU twice, a read and a write", case_of("twice", [(2, 1, 3, 1, 0), (1, 1, 0, 3, 8)]), None),
+    ("a KPU twice, its tokens overlapping", case_of("twice", [(1, 1, 0, 2, 0), (1, 1, 1, 1, 16)]),
+     ErrorCode.BAD_REQUEST),
+    ("a KPU's ranges overlap past a third", case_of("twice", [(1, 1, 0, 4, 0), (1, 1, 1, 1, 32), (1, 1, 3, 1, 48)],
+                                                    slot_tokens=8), ErrorCode.BAD_REQUEST),
     ("no tokens", case_of("tokens", [(1, 0, 0, 0, 0)]), ErrorCode.OUT_OF_RANGE),
     ("past the KPU", case_of("tokens", [(1, 0, 3, 2, 0)]), ErrorCode.OUT_OF_RANGE),
     ("u32 overflow of the token range", case_of("tokens", [(1, 0, U32, 2, 0)]), ErrorCode.OUT_OF_RANGE),

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What a sparse decode step's reads cost in requests (issue 47): the pages of one KPU as one request per run,
-pipelined (what ``bladed.kvstore.BladedKV.read_runs`` sends: the daemon takes a KPU once per request), against
-the same ranges in one request (as if the daemon took several ranges of one KPU: emulated with ranges of as many
-distinct KPUs, the same bytes at the same offsets), against the dense read of the whole past.
+pipelined (what ``bladed.kvstore.BladedKV.read_runs`` sent before protocol 6: requests of one connection run one
+at a time), against the same runs in one request (protocol 6's, what ``read_runs`` sends now: a direct KPU's runs
+go to the device together), against the dense read of the whole past.
 
 ::
 
@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     page, ntok = int(trace["page"]), int(trace["first_position"]) + a.step
     layers = [trace["pages"][k][a.step] for k in sorted(trace["pages"], key=int)]
     per_kpu = [page_runs(layers[i % len(layers)], page, ntok) for i in range(a.kpus)]
-    # as many layers as the longest list of runs: one_request() names a KPU per run
-    nlayers = max(a.kpus, *(len(r) for r in per_kpu))
+    nlayers = a.kpus
     batch, kv_heads, head_dim, dtype_bytes = SHAPES[a.shape]
     geometry = {"layers": nlayers, "batch": batch, "kv_heads": kv_heads, "head_dim": head_dim,
                 "dtype_bytes": dtype_bytes, "max_tokens": ntok + 16}
@@ -89,14 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     return n
 
                 def one_request() -> int:
-                    n = 0
-                    for runs in per_kpu:             # run i of this KPU as a range of KPU i, at its own offset
-                        at, ranges = 0, []
-                        for i, (t0, m) in enumerate(runs):
-                            ranges.append(IORange(IOOp.READ, tensor_id(i, "k"), t0, m, at))
-                            at += m * tb
-                        n += sum(r.nbytes for r in dc.submit(ranges))
-                    return n
+                    return sum(r.nbytes for layer, runs in enumerate(per_kpu)
+                               for r in dc.submit([IORange(IOOp.READ, tensor_id(layer, "k"), t0, m) for t0, m in runs]))
 
                 def dense() -> int:
                     return sum(dc.submit([IORange(IOOp.READ, tensor_id(layer, "k"), 0, ntok)])[0].nbytes

@@ -90,7 +90,10 @@ def check_channel(index: int, channels: int) -> None:
 
 
 def check_ranges(geometry: Geometry, slot_bytes: int, ranges: Sequence[IORange], limit: int) -> list[CheckedRange]:
-    """Every range of a request checked before any runs; the first bad one refuses the whole request."""
+    """Every range of a request checked before any runs; the first bad one refuses the whole request.
+
+    A KPU may be named more than once (protocol 6: a sparse read's runs of pages in one request, submitted
+    together) when its ranges' tokens are apart: two that overlap would leave the result to their order."""
     g = geometry
     tb, ntensors, max_tokens = g.token_bytes, 2 * g.layers, g.max_tokens
     n = len(ranges)
@@ -98,16 +101,22 @@ def check_ranges(geometry: Geometry, slot_bytes: int, ranges: Sequence[IORange],
         raise RequestError(ErrorCode.BAD_REQUEST, f"a request of {n} ranges exceeds "
                                                   f"io.max_outstanding ({limit}); split it")
     out = []
-    seen: set[int] = set()
     for i, r in enumerate(ranges):
         tid, t0, nt = r.tensor_id, r.token_start, r.ntokens
         nbytes = nt * tb
         so = t0 * tb if r.slot_offset == MIRROR else r.slot_offset
-        if not 0 <= tid < ntensors or tid in seen or nt < 1 or t0 + nt > max_tokens or so + nbytes > slot_bytes:
-            _refuse_range(g, slot_bytes, i, n, r, so, nbytes, seen)
-        seen.add(tid)
+        if not 0 <= tid < ntensors or nt < 1 or t0 + nt > max_tokens or so + nbytes > slot_bytes:
+            _refuse_range(g, slot_bytes, i, n, r, so, nbytes)
         out.append(CheckedRange(r, t0 * tb, nbytes, so))
     if n > 1:
+        tokens = sorted((r.tensor_id, r.token_start, r.token_start + r.ntokens, i) for i, r in enumerate(ranges))
+        for (t1, _, e1, i1), (t2, s2, _, i2) in itertools.pairwise(tokens):
+            if t1 == t2 and s2 < e1:
+                first, second = min(i1, i2), max(i1, i2)
+                layer, kind = tensor_of(t1)
+                raise RequestError(ErrorCode.BAD_REQUEST, f"ranges {first} and {second} of layer {layer} "
+                                                          f"{kind.upper()} overlap in its tokens; give one "
+                                                          "KPU's ranges apart")
         spans = sorted((c.slot_offset, c.slot_offset + c.nbytes, i) for i, c in enumerate(out))
         for (_, e1, i1), (s2, _, i2) in itertools.pairwise(spans):
             if s2 < e1:
@@ -116,8 +125,7 @@ def check_ranges(geometry: Geometry, slot_bytes: int, ranges: Sequence[IORange],
     return out
 
 
-def _refuse_range(g: Geometry, slot_bytes: int, i: int, n: int, r: IORange, so: int, nbytes: int,
-                  seen: set[int]) -> None:
+def _refuse_range(g: Geometry, slot_bytes: int, i: int, n: int, r: IORange, so: int, nbytes: int) -> None:
     """The RequestError for range ``i`` of ``n`` that :func:`check_ranges` found bad, naming it."""
     where = f"range {i}" if n > 1 else "the range"
     layer, kind = tensor_of(r.tensor_id)
@@ -125,9 +133,6 @@ def _refuse_range(g: Geometry, slot_bytes: int, i: int, n: int, r: IORange, so: 
         raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: layer {layer} {kind.upper()} (tensor "
                                                    f"{r.tensor_id}) outside the session's layers "
                                                    f"0..{g.layers - 1}")
-    if r.tensor_id in seen:
-        raise RequestError(ErrorCode.BAD_REQUEST, f"{where}: layer {layer} {kind.upper()} appears twice in "
-                                                  "one request; send the second range in another request")
     end = r.token_start + r.ntokens
     if r.ntokens < 1 or end > g.max_tokens:
         raise RequestError(ErrorCode.OUT_OF_RANGE, f"{where}: tokens [{r.token_start}, {end}) outside the "

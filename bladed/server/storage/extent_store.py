@@ -140,6 +140,28 @@ class _Job:
             self.finish()
 
 
+def _waves(accesses: list[Access]) -> list[list[Access]]:
+    """The accesses as batches run one after another: one batch unless a KPU named more than once has a write
+    among its ranges; then its ``k``-th range goes in batch ``k`` (the others' ranges in the first)."""
+    count: dict[int, int] = {}
+    writes: set[int] = set()
+    for a in accesses:
+        count[a.kpu.tensor_id] = count.get(a.kpu.tensor_id, 0) + 1
+        if a.write:
+            writes.add(a.kpu.tensor_id)
+    if all(count[t] == 1 for t in writes):
+        return [accesses]
+    waves: list[list[Access]] = []
+    seen: dict[int, int] = {}
+    for a in accesses:
+        t = a.kpu.tensor_id
+        k = seen[t] = seen.get(t, -1) + 1 if t in writes else 0
+        while len(waves) <= k:
+            waves.append([])
+        waves[k].append(a)
+    return waves
+
+
 class ExtentKPUStore(KPUStore):
     """The direct-path KPUs of one session on its extent (the packed layout above)."""
 
@@ -203,21 +225,24 @@ class ExtentKPUStore(KPUStore):
 
     # -- serving -------------------------------------------------------------------------
     def run(self, ch: ChannelIO, accesses: list[Access]) -> None:
-        """Serve the accesses (at most one per KPU) with all their commands submitted together."""
-        accesses = sorted(accesses, key=lambda a: a.kpu.tensor_id)   # lock order
-        tails = [self._tails[a.kpu.tensor_id] for a in accesses]
+        """Serve the accesses with all their commands submitted together (a KPU's reads too: a sparse read's
+        runs). A KPU named more than once with a write among its ranges runs in waves, one of its ranges a
+        wave: its edge LBAs and its tail copy are one range's at a time (two ranges may share an edge LBA)."""
+        tids = sorted({a.kpu.tensor_id for a in accesses})              # lock order
+        tails = [self._tails[t] for t in tids]
         for t in tails:
             t.lock.acquire()
         try:
-            fast: list[Access] = []
-            slow: list[Access] = []
-            for a in accesses:
-                aligned_slot = (a.slot_offset - a.offset) % self.lba == 0
-                (fast if aligned_slot else slow).append(a)
-            if fast:
-                self._run_fast(ch, fast)
-            for a in slow:
-                self._run_bounced(ch, a)
+            for wave in _waves(accesses):
+                fast: list[Access] = []
+                slow: list[Access] = []
+                for a in sorted(wave, key=lambda a: a.kpu.tensor_id):
+                    aligned_slot = (a.slot_offset - a.offset) % self.lba == 0
+                    (fast if aligned_slot else slow).append(a)
+                if fast:
+                    self._run_fast(ch, fast)
+                for a in slow:
+                    self._run_bounced(ch, a)
         finally:
             for t in tails:
                 t.lock.release()
@@ -314,7 +339,7 @@ class ExtentKPUStore(KPUStore):
                                               nbytes=(m1 - m0) * L)))
         if xfers:
             # writes first: the ring issues transfers in order, and an append must not wait for a bulk read's
-            # last piece to be issued (the ranges are of distinct KPUs, so their order is free)
+            # last piece to be issued (a KPU's ranges in one batch are reads, or one write: their order is free)
             xfers.sort(key=lambda ix: ix[1].op is not Op.WRITE)
             eng.run([x for _, x in xfers], check=False)
             for i, x in xfers:
