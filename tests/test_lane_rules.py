@@ -13,9 +13,8 @@ one way round, the lane would serve a request the protocol refuses; the other, i
 could serve to the slow path.  The same generated requests, good and bad (wrong sizes, bad ops, tensors
 outside the session, token ranges outside the KPU and u32 overflow, slot offsets outside the slot, a KPU
 twice with its tokens apart or overlapping, overlapping slot spans, too many ranges), go through both here,
-and then through a real daemon,
-where the reply on the wire must be the rulebook's verdict: served by the lane (its counter moves) when
-accepted, else refused with the rulebook's error code.
+and then through a real daemon, where the reply on the wire must be the rulebook's verdict: served by the
+lane (its counter moves) when accepted, else refused with the rulebook's error code.
 """
 
 from __future__ import annotations
