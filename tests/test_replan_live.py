@@ -363,11 +363,19 @@ def test_cgroup_limit_cut_demotes_and_keeps_every_byte(tmp: str, device: tuple[d
             for m in models[1:]:
                 assert sorted(demoted[m.sess.id]) == sorted(f"{k}{layer}" for layer, k in m.kv)
             assert 1 <= len(demoted[models[0].sess.id]) < len(models[0].kv)
+
+            def on_the_named_paths(m: Model) -> None:
+                # every byte there, each KPU on the path the re-plans named; a later sample (the daemon's heap or
+                # the kernel's slab grown by the writes, within the 3 MiB left) may demote more meanwhile, never
+                # promote: the direct set lies between two readings of the names
+                named = all_demoted(d, c, m.sess.id, before)
+                direct = {n for n, p in m.check().items() if p == "direct"}
+                assert set(demoted[m.sess.id]) <= named <= direct <= all_demoted(d, c, m.sess.id, before)
+
             for m in models:
-                paths = m.check()
-                assert {n for n, p in paths.items() if p == "direct"} == set(demoted[m.sess.id])
+                on_the_named_paths(m)
                 m.more()
-                assert m.check() == paths
+                on_the_named_paths(m)
             assert c.stats()["replan"]["demotions_failed"] == 0
             assert oom_kills(cg.path) == 0
             close_and_check_clean(d, c, models, store)

@@ -446,11 +446,15 @@ SYNC='
     copy=$1 venv=$2
     {
         flock 8
-        # the checkout, less what is built or local to the host (its x86-64 extension, .venv, var/, caches)
+        # the checkout, less what is built or local to the host (its x86-64 extension, .venv, var/, caches);
+        # the caches are perishable ("-p"): a folder the checkout no longer has goes with its __pycache__
+        # (a kept cache made rsync print "cannot delete non-empty directory" and leave the folder). Its
+        # messages go to stderr: stdout belongs to the command run
         rsync -a --delete --exclude=/.git --exclude=/.venv --exclude=/var --exclude="*.so" \
-            --exclude="/bladed/_*.c" --exclude=__pycache__ --exclude="*.egg-info" --exclude=/build \
-            --exclude="/.arm64-*" --exclude=.pytest_cache --exclude=.mypy_cache --exclude=.ruff_cache \
-            --exclude=.hypothesis /src/ "$copy/"
+            --exclude="/bladed/_*.c" --exclude=/build --exclude="/.arm64-*" \
+            --filter="-p __pycache__/" --filter="-p *.egg-info/" --filter="-p .pytest_cache/" \
+            --filter="-p .mypy_cache/" --filter="-p .ruff_cache/" --filter="-p .hypothesis/" \
+            /src/ "$copy/" >&2
         sig=$(cat "$copy"/pyproject.toml "$copy"/setup.py "$copy"/cffi_build/* | sha256sum | cut -c1-16)
         if [ "$(cat "$copy/.arm64-built" 2>/dev/null)" != "$sig" ] ||
                 ! (cd "$copy" && "$venv/bin/python" -c "import bladed._uring, bladed.protocol" 2>/dev/null); then
