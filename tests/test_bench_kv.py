@@ -165,6 +165,7 @@ def test_sweep_with_sparse_reads(store_dir: str, tmp_path: pathlib.Path) -> None
     dense = [prompt_len + i - 1 for i in range(1, gen)]                  # the past of each decode step
     assert runs["dualblade"]["bytes"]["decode_read"] == 2 * 4 * sum(dense) * row
     read_tokens, read_pages, held = 0, 0, {"2": set(), "3": set()}
+    nruns, kpu_reads = 0, 0
     for step, ntok in enumerate(dense):
         for layer in ("2", "3"):
             sel = pages[layer][step]
@@ -172,8 +173,12 @@ def test_sweep_with_sparse_reads(store_dir: str, tmp_path: pathlib.Path) -> None
             held[layer] = {p for p in sel if p < ntok // page}
             read_pages += len(miss)
             read_tokens += sum(min(page, ntok - p * page) for p in miss)
+            nruns += 2 * sum(1 for i, p in enumerate(miss) if i == 0 or miss[i - 1] != p - 1)   # K and V
+            kpu_reads += 2 if miss else 0
     sel_run = runs[f"dualblade@keys:0.5,page={page}"]
     assert sel_run["bytes"]["decode_read"] == 2 * (2 * sum(dense) + read_tokens) * row
     assert sel_run["select"]["pages_read"] == read_pages
+    # the runs of one KPU go in one request (protocol 6), as the runner's BladedKV.read_runs sends them
+    assert (sel_run["select"]["runs"], sel_run["select"]["requests"]) == (nruns, kpu_reads)
     assert sel_run["select"]["pages"] == sum(len(p) for layer in pages.values() for p in layer)
     assert sel_run["verify"]["errors"] == 0 and sel_run["verify"]["checked"] > 0

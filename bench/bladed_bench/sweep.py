@@ -287,7 +287,8 @@ def summarize_trace(trace: RunTrace) -> dict[str, Any]:
         "pipeline_report": trace.pipeline,
         "verify": {"checked": trace.verify_checked, "errors": trace.verify_errors},
         "select": {"pages": trace.select_pages, "pages_total": trace.select_all_pages,
-                   "pages_read": trace.select_read_pages, "requests": trace.select_runs,
+                   "pages_read": trace.select_read_pages, "runs": trace.select_runs,
+                   "requests": trace.select_requests,
                    "trace": trace.select_source} if trace.select_source else None,
     }
 
@@ -449,6 +450,8 @@ def select_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "pages_attended_share": statistics.median(x["pages"] / x["pages_total"] for x in sel) if sel else None,
                 "pages_read_share": statistics.median(x["pages_read"] / x["pages_total"] for x in sel) if sel else None,
                 "requests_per_step": statistics.median(x["requests"] / steps for x in sel) if sel else None,
+                # JSONs before protocol 6 sent one request per run and have no "runs"
+                "runs_per_step": statistics.median(x.get("runs", x["requests"]) / steps for x in sel) if sel else None,
             })
     return out
 

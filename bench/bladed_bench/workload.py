@@ -261,11 +261,14 @@ class BladedTarget:
 
     def read_runs(self, layer: int, kind: str, ch: int, runs: list[tuple[int, int]]
                   ) -> tuple[str, int, int, float | None]:
-        """Token ranges of one KPU: one request each (a request names a KPU once), pipelined on the channel."""
+        """Token ranges of one KPU in one request (protocol 6; more than the daemon's ``max_ranges`` in several,
+        pipelined on the channel), as ``bladed.kvstore.BladedKV.read_runs`` sends them."""
         from bladed.kvstore import combined_op
 
-        replies = self.session.submit_many(ch, [[self.session.range("read", layer, kind, t0, n)] for t0, n in runs])
-        op = combined_op([r[0] for r in replies])
+        ranges = [self.session.range("read", layer, kind, t0, n) for t0, n in runs]
+        limit = max(1, int(self.client.server.get("max_ranges", len(ranges))))
+        replies = self.session.submit_many(ch, [ranges[i:i + limit] for i in range(0, len(ranges), limit)])
+        op = combined_op([r for reply in replies for r in reply])
         return op.path, op.nbytes, op.service_ns, op.hit_ratio
 
     def pids(self) -> list[int]:
@@ -361,11 +364,13 @@ class RunTrace:
     cpu_s: dict[str, float | None] = field(default_factory=dict)
     disk_phase: dict[str, dict[str, float | None]] = field(default_factory=dict)
     #: sparse decode reads: pages the selecting layers' K attended to, of those their past held, read (the
-    #: reuse buffer lacked them), and the requests (runs) K and V took
+    #: reuse buffer lacked them), the runs of consecutive pages K and V read and the requests they took (a
+    #: daemon target: one per KPU read, protocol 6; the runs of a KPU number tens, never past ``max_ranges``)
     select_pages: int = 0
     select_all_pages: int = 0
     select_read_pages: int = 0
     select_runs: int = 0
+    select_requests: int = 0
     select_source: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -488,6 +493,7 @@ class Workload:
         with self._ops_lock:
             trace.ops.append(rec)
             trace.select_runs += len(runs)
+            trace.select_requests += 1 if read_runs is not None else len(runs)
         if self.on_op is not None:
             self.on_op(rec)
         return rec
