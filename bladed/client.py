@@ -30,13 +30,12 @@ import logging
 import mmap
 import os
 import socket
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from bladed import __version__
+from bladed import __version__, cuda
 from bladed.config import SocketLocation, find_socket
 from bladed.datachannel import DataChannel
 from bladed.protocol import (
@@ -101,7 +100,6 @@ __all__ = [
     "Session",
     "ShuttingDownError",
     "WriteBudgetExhaustedError",
-    "clear_cuda_error",
     "geometry_dict",
 ]
 
@@ -432,7 +430,7 @@ class Session:
         self._closed = False
         self._data: list[DataChannel | None] = [None] * self.channels
         self._data_lock = threading.Lock()
-        self.pinned = self._pin() if pin or (pin is None and _cuda_ready()) else False
+        self.pinned = self._pin() if pin or (pin is None and cuda.available()) else False
 
     def _pin(self) -> bool:
         """Page-lock the staging mapping for CUDA DMA (``cudaHostRegister``); False, with a warning, when that
@@ -442,13 +440,12 @@ class Session:
 
             if not torch.cuda.is_available():
                 return False
-            rc = torch.cuda.cudart().cudaHostRegister(_address(self._mapping), len(self._mapping), 0)
+            rc = cuda.host_register(_address(self._mapping), len(self._mapping))
         except Exception as e:  # e.g. CUDA initialised before a fork: refused in the child
             log.warning("cannot page-lock the %d staging bytes for CUDA (%s); GPU copies stay pageable",
                         len(self._mapping), e)
             return False
-        if _cuda_rc(rc) != 0:
-            clear_cuda_error()
+        if rc != 0:
             log.warning("cudaHostRegister of %d staging bytes failed (%s); GPU copies stay pageable",
                         len(self._mapping), rc)
             return False
@@ -607,14 +604,11 @@ class Session:
             # unregister while the pages are still mapped: the mapping goes right after
             self.pinned = False
             try:
-                import torch
-
-                rc = torch.cuda.cudart().cudaHostUnregister(_address(self._mapping))
+                rc = cuda.host_unregister(_address(self._mapping))
             except Exception as e:  # CUDA already torn down (interpreter exit): the registration went with it
                 log.debug("cudaHostUnregister of the staging memory: %s", e)
             else:
-                if _cuda_rc(rc) != 0:
-                    clear_cuda_error()
+                if rc != 0:
                     log.warning("cudaHostUnregister of the staging memory failed (%s)", rc)
         self._view.release()
         try:
@@ -627,45 +621,6 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _cuda_ready() -> bool:
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch is not None and torch.cuda.is_available())
-    except Exception:  # a broken CUDA install must not break CPU use
-        return False
-
-
-_CUDART: list[Any] = []
-
-
-def clear_cuda_error() -> None:
-    """Reset this thread's last CUDA runtime error (``cudaGetLastError``) after a failed call through
-    ``torch.cuda.cudart()``: torch's bindings return the error and leave it set, and torch's next kernel
-    launch check would raise it as its own. Through the libcudart this process mapped (torch's); nothing
-    when there is none (a runtime linked statically keeps its error to itself)."""
-    import ctypes
-
-    if not _CUDART:
-        path = None
-        with contextlib.suppress(OSError), open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and os.path.basename(parts[-1]).startswith("libcudart.so"):
-                    path = parts[-1]
-                    break
-        try:
-            _CUDART.append(ctypes.CDLL(path) if path else None)
-        except OSError:
-            _CUDART.append(None)
-    if _CUDART[0] is not None:
-        _CUDART[0].cudaGetLastError()
-
-
-def _cuda_rc(rc: Any) -> int:
-    """A ``cudaError_t`` from ``torch.cuda.cudart()`` as an int (an enum member or an int, by torch version)."""
-    return int(rc.value) if hasattr(rc, "value") else int(rc)
 
 
 def _address(mapping: mmap.mmap) -> int:

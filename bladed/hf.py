@@ -28,7 +28,7 @@ device); what is read back is decoded into the cache's dtype. The bytes are the 
 whatever the backend, so a cache over bladed equals one over ``MemoryKV`` of the same format bit
 for bit. The format's full-precision tail (``q4``: the newest 128 tokens; ``kv_tail=`` overrides it,
 0 turns it off) is attended to from the cache's own full-precision copy, not from the decoded rows
-(``bladed.kvstore.SlotTensors``).
+(``bladed.slots.SlotTensors``).
 
 Sparse decode reads (``bladed.kvselect``; docs/kv-select.md)::
 
@@ -65,9 +65,10 @@ from transformers.modeling_utils import AttentionInterface
 from bladed.kvformat import KVFormat
 from bladed.kvformat import kv_format as parse_kv_format
 from bladed.kvselect import SelectionState, SelectSpec, parse_select, token_index
-from bladed.kvstore import BladedKV, PageReader, SlotTensors, full_precision_tail, kv_geometry, prefix_key_fields
+from bladed.kvstore import BladedKV, full_precision_tail, kv_geometry, prefix_key_fields
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.residency.geometry import Geometry
+from bladed.slots import PageReader, SlotTensors
 
 
 def geometry_for(config: Any, batch_size: int, max_tokens: int, dtype: torch.dtype,

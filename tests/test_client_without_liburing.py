@@ -122,15 +122,13 @@ def test_a_client_round_trips_without_liburing(tmp_path: pathlib.Path) -> None:
 
 
 def client_side() -> set[str]:
-    """The modules of the ``client-side`` contract (pyproject.toml), their submodules, and all they import."""
+    """What an inference process may import: every module of the package but the ``client-side`` contract's
+    protected modules (the daemon's) and the importers it allows (the operator's commands) (pyproject.toml)."""
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    (sources,) = (c["source_modules"] for c in contracts if c["id"] == "client-side")
+    (contract,) = (c for c in contracts if c["id"] == "client-side")
+    daemon_side = set(contract["protected_modules"]) | set(contract["allowed_importers"])
     graph = grimp.build_graph("bladed", cache_dir=None)
-    out: set[str] = set()
-    for name in sources:
-        for m in {name} | graph.find_descendants(name):
-            out |= {m} | graph.find_upstream_modules(m)
-    return out
+    return {m for m in graph.modules if not any(m == d or m.startswith(f"{d}.") for d in daemon_side)}
 
 
 def imports_of(module: str) -> set[str]:

@@ -24,7 +24,8 @@ from kv_codec_util import BLOCKS, assert_same_bits, isa, isas, kv_values
 
 from bladed import kvformat
 from bladed.kvformat import CODEC_THREAD_MIN_VALUES, KVFormatError, QuantFormat, codec_info, kv_format
-from bladed.kvstore import MemoryKV, SlotTensors, kv_geometry
+from bladed.kvstore import MemoryKV, kv_geometry
+from bladed.slots import SlotTensors
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAYOUTS = ("contiguous", "heads-first", "room", "strided-head-dim")

@@ -22,7 +22,8 @@ from bladed.kvselect import (
     runs_of,
     summarise,
 )
-from bladed.kvstore import MemoryKV, PageReader, SlotTensors, kv_geometry
+from bladed.kvstore import MemoryKV, kv_geometry
+from bladed.slots import PageReader, SlotTensors
 
 B, H, G, D = 1, 2, 2, 32          # batch, KV heads, query heads per KV head, head_dim
 PAGE = 16

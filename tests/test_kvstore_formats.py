@@ -21,12 +21,12 @@ from bladed.kvstore import (
     BladedKV,
     Geometry,
     MemoryKV,
-    SlotTensors,
     full_precision_tail,
     kv_geometry,
     prefix_key_fields,
 )
 from bladed.runner.main import spawned_daemon
+from bladed.slots import SlotTensors
 
 #: SmolLM2-like rows: 1 x 3 KV heads x 64 (384 bytes in fp16, 204 in q8, 120 in q4)
 SHAPE = {"layers": 2, "batch": 1, "kv_heads": 3, "head_dim": 64, "max_tokens": 24}

@@ -244,7 +244,7 @@ def _memfd_registered(dev: Any) -> Result:
     import torch
     from gpu_cuda import bandwidth, host_memory
 
-    from bladed.client import clear_cuda_error
+    from bladed.cuda import clear_error as clear_cuda_error
 
     fd = os.memfd_create("gpu-check-staging", os.MFD_CLOEXEC)
     try:

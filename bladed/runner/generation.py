@@ -40,14 +40,13 @@ from bladed.kvstore import (
     Geometry,
     Kind,
     KVBackend,
-    PageReader,
-    SlotTensors,
     StatsBook,
     full_precision_tail,
     kv_geometry,
 )
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadHandle, LoadJob, PipelineMode, TorchDma
 from bladed.runner.models import DecoderModel, attention
+from bladed.slots import PageReader, SlotTensors
 
 KVFactory = Callable[[Geometry], KVBackend]
 KVPair = tuple[torch.Tensor, torch.Tensor]  # (keys, values), heads-first: [batch, kv_heads, tokens, head_dim]
@@ -73,7 +72,7 @@ class Policy:
     (FlexLLMGen: 1, the next layer's).
 
     ``kv_tail``: the newest tokens of each offloaded (layer, K/V) read back from a full-precision copy
-    kept on the compute device instead of their decoded rows (``bladed.kvstore.SlotTensors``; the rows are
+    kept on the compute device instead of their decoded rows (``bladed.slots.SlotTensors``; the rows are
     written all the same). None: the format's ``full_precision_tail`` (``q4``: 128, the others 0); 0: off.
 
     ``kv_select``: query-aware sparse decode reads of the offloaded layers (``bladed.kvselect``, the runner's
