@@ -144,7 +144,6 @@ class PoolAttachment:
         """The batched requests that move the pages of ``slots`` (block ``i`` of the slot layout is
         ``slots[i]``): one request per run of consecutive slots (``runs`` False: per slot), one range per page."""
         out: list[list[IORange]] = []
-        limit = int(self.client.server.get("max_ranges", 256))
         i = 0
         while i < len(slots):
             j = i + 1
@@ -152,7 +151,7 @@ class PoolAttachment:
                 j += 1
             ranges = [IORange(op, p, slots[i], j - i, (p * self.slot_blocks + i) * self.page_bytes)
                       for p in range(self.pages)]
-            out += [ranges[k:k + limit] for k in range(0, len(ranges), limit)]
+            out += self.session.requests_of(ranges)
             i = j
         return out
 

@@ -208,6 +208,11 @@ class Client:
         self._thread = threading.Thread(target=self._read_loop, name="bladed-client-reader", daemon=True)
         self._thread.start()
 
+    @property
+    def max_ranges(self) -> int:
+        """The most ranges one I/O request may carry: the daemon's ``max_ranges`` (its hello reply)."""
+        return max(1, int(self.server["max_ranges"]))
+
     # -- plumbing ----------------------------------------------------------------
     def _handshake(self, name: str) -> dict[str, Any]:
         try:
@@ -500,11 +505,16 @@ class Session:
         """
         return self._results(ch, ranges, self.channel(ch).submit(ranges), check)
 
+    def requests_of(self, ranges: Sequence[IORange]) -> list[list[IORange]]:
+        """``ranges`` in order, cut into requests of at most the daemon's ``max_ranges`` (for :meth:`submit_many`)."""
+        limit = self.client.max_ranges
+        return [list(ranges[i:i + limit]) for i in range(0, len(ranges), limit)]
+
     def submit_many(self, ch: int, requests: Sequence[Sequence[IORange]], *,
                     check: bool = True) -> list[list[OpResult]]:
         """Several requests on channel ``ch``, pipelined (sent ahead of their replies); per request its results.
 
-        For more ranges than one request may carry (``max_ranges``)."""
+        For more ranges than one request may carry (``max_ranges``: :meth:`requests_of` cuts them)."""
         replies = self.channel(ch).submit_many(requests)
         return [self._results(ch, r, res, check) for r, res in zip(requests, replies, strict=True)]
 

@@ -461,7 +461,7 @@ class BladedKV:
         if not runs:
             return KVOp(self._paths.get((layer, kind), "?"), 0, 0, None)
         ranges = [self.session.range("read", layer, kind, start, n) for start, n in runs]
-        limit = max(1, int(self.session.client.server.get("max_ranges", len(ranges))))
+        limit = self.session.client.max_ranges
         pending = self._deferred[ch] if self.defer_writes else None
         if pending:
             tid = tensor_id(layer, kind)
@@ -470,8 +470,7 @@ class BladedKV:
             else:
                 ranges = [*pending, *ranges]
                 self._deferred[ch], self._spare_used[ch] = [], 0
-        requests = [ranges[i:i + limit] for i in range(0, len(ranges), limit)]
-        results = [r for reply in self.session.submit_many(ch, requests) for r in reply]
+        results = [r for reply in self.session.submit_many(ch, self.session.requests_of(ranges)) for r in reply]
         return combined_op([r for r in results if r.op == "read"])
 
     def flush(self, ch: int | None = None) -> None:

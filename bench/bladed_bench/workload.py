@@ -266,8 +266,7 @@ class BladedTarget:
         from bladed.kvstore import combined_op
 
         ranges = [self.session.range("read", layer, kind, t0, n) for t0, n in runs]
-        limit = max(1, int(self.client.server.get("max_ranges", len(ranges))))
-        replies = self.session.submit_many(ch, [ranges[i:i + limit] for i in range(0, len(ranges), limit)])
+        replies = self.session.submit_many(ch, self.session.requests_of(ranges))
         op = combined_op([r for reply in replies for r in reply])
         return op.path, op.nbytes, op.service_ns, op.hit_ratio
 
