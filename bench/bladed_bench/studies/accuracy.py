@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Accuracy cost of bladed's KV formats on real text (issue 31), and their quantize/dequantize speed.
 
 ::
@@ -48,16 +47,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
-import torch  # noqa: E402
-from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
-from transformers.modeling_utils import AttentionInterface  # noqa: E402
+from bladed.kvformat import KVFormat, kv_format, q4_params, quantize_q4_
+from bladed_bench.repo import REPO
 
-from bladed.kvformat import KVFormat, kv_format, q4_params, quantize_q4_  # noqa: E402
+ROOT = pathlib.Path(REPO)  # the checkout
 
 CORPUS = pathlib.Path("/usr/share/common-licenses/GPL-3")
 DEFAULT_FORMATS = ("fp16", "bf16", "q8", "q4", "q4-r32", "q4-r128", "q4-kchan", "q4-kchan-r128")
@@ -338,8 +337,8 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help="comma-separated variants (module doc)")
     p.add_argument("--window", type=int, default=2048,
                    help="tokens per perplexity window (0: the model's context, 8192; 2048 keeps a full run near "

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What a chat workload's KV cache makes the drive write: bladed (Group 1 in memory files), bladed with Group 1
 on disk (before issue 39) and FlexLLMGen's mmap offload, in one run (docs/benchmarks.md, "Wear").
 
@@ -20,15 +19,13 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its harness
-
-from bladed_bench.wear import SIDES, ChatSpec, markdown, run_wear  # noqa: E402
+from bladed_bench.repo import REPO as ROOT
+from bladed_bench.wear import SIDES, ChatSpec, markdown, run_wear
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     d = ChatSpec()
-    p = argparse.ArgumentParser(prog="tools/bench_wear.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=prog or "tools/bench_wear.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     p.add_argument("--sessions", type=int, default=d.sessions, help=f"conversations (default {d.sessions})")

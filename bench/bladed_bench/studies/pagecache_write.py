@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The page-cache write path alone (issue 28): fresh 32 MiB KPUs written through bladed's page-cache store
 against plain ``pwrite(2)`` and stores through a shared mapping (the FlexLLMGen-style Baseline), from one
 writer each, in the same memory cgroup settings, alternated.
@@ -45,13 +44,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-
-from bladed.config import parse_size  # noqa: E402
-from bladed_bench.cgroup import MemCgroup, drop_caches  # noqa: E402
-from bladed_bench.environment import git_info, machine_info  # noqa: E402
-from bladed_bench.metrics import block_device_of, wait_device_idle, wait_free_pages_reported  # noqa: E402
+from bladed.config import parse_size
+from bladed_bench.cgroup import MemCgroup, drop_caches
+from bladed_bench.environment import git_info, machine_info
+from bladed_bench.metrics import block_device_of, wait_device_idle, wait_free_pages_reported
+from bladed_bench.repo import REPO as ROOT
+from bladed_bench.repo import repo_env
 
 CONFIGS = ("daemon", "pwrite", "pwrite_sparse", "mmap")
 VMSTAT_KEYS = ("nr_dirtied", "nr_written", "pgfault", "pgmajfault", "pgalloc_normal", "pgalloc_dma32",
@@ -213,9 +211,9 @@ def run_worker(how: str, cg: MemCgroup, work: str, total: int, kpu: int, perf_pa
                trace: dict[str, Any] | None) -> dict[str, Any]:
     directory = os.path.join(work, how)
     os.makedirs(directory, exist_ok=True)
-    argv = cg.launcher([sys.executable, os.path.abspath(__file__), "--worker", how, directory, str(kpu),
-                        str(total // kpu)])
-    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as p:
+    argv = cg.launcher([sys.executable, "-m", "bladed_bench.studies.pagecache_write",
+                        "--worker", how, directory, str(kpu), str(total // kpu)])
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=repo_env()) as p:
         assert p.stdin is not None and p.stdout is not None
         pid = json.loads(p.stdout.readline())["ready"]
         with perf_record(pid, perf_path), bpftrace(pid, trace):
@@ -277,8 +275,8 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--total", type=parse_size, default=2 << 30)
     p.add_argument("--kpu", type=parse_size, default=32 << 20)
     p.add_argument("--reps", type=int, default=5)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """What a sparse decode step's reads cost in requests (issue 47): the pages of one KPU as one request per run,
 pipelined (what ``bladed.kvstore.BladedKV.read_runs`` sent before protocol 6: requests of one connection run one
 at a time), against the same runs in one request (protocol 6's, what ``read_runs`` sends now: a direct KPU's runs
@@ -27,22 +26,19 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-
-from bladed.client import Client  # noqa: E402
-from bladed.protocol import IOOp, IORange  # noqa: E402
-from bladed.residency.geometry import tensor_id  # noqa: E402
-from bladed_bench.environment import machine_info  # noqa: E402
-from bladed_bench.workload import BenchDaemon, page_runs  # noqa: E402
+from bladed.client import Client
+from bladed.protocol import IOOp, IORange
+from bladed.residency.geometry import tensor_id
+from bladed_bench.environment import machine_info
+from bladed_bench.workload import BenchDaemon, page_runs
 
 MiB = 1 << 20
 #: the token rows measured: (batch, KV heads, head_dim, dtype bytes)
 SHAPES = {"opt-6.7b": (1, 32, 128, 2), "smollm2": (2, 3, 64, 4)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="tools/bench_kv_select.py --trace's JSON")
     p.add_argument("--path", choices=("pagecache", "direct"), default="pagecache")
     p.add_argument("--kpus", type=int, default=56, help="KPUs read per step (K and V of 28 layers)")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Before/after table of issue 13's sweep rows: two KV-sweep JSONs (tools/bench_kv.py sweep), same workload.
 
 Config against config: the ratio of the medians at each limit (as issue 13 reads a sweep); against the two-tier
@@ -9,6 +8,7 @@ over runs of the per-run average latency, against the sweep's bare in-process io
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -101,10 +101,19 @@ def table(d: dict[str, Any]) -> dict[str, str]:
     return row
 
 
-if __name__ == "__main__":
-    old, new = load(sys.argv[1]), load(sys.argv[2])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("before", help="KV-sweep JSON (tools/bench_kv.py sweep)")
+    p.add_argument("after", help="KV-sweep JSON of the same workload")
+    args = p.parse_args(argv)
+    old, new = load(args.before), load(args.after)
     a, b = table(old), table(new)
-    print(f"| measure | before ({sys.argv[1].split('/')[-1]}) | after ({sys.argv[2].split('/')[-1]}) |")
+    print(f"| measure | before ({args.before.split('/')[-1]}) | after ({args.after.split('/')[-1]}) |")
     print("| --- | --- | --- |")
     for k in a:
         print(f"| {k} | {a[k]} | {b.get(k, '-')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

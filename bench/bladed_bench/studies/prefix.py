@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Prefix reuse in the runner: time to first token with and without retained prefixes (docs/benchmarks.md).
 
 SmolLM2-135M (float32, CPU unless CUDA is there), the KV of all 30 layers in a spawned bladed (file store), three
@@ -33,18 +32,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its benchmark harness
+import torch
 
-import torch  # noqa: E402
-
-from bladed.client import Client, PrefixKey  # noqa: E402
-from bladed.kvstore import BladedKV, Geometry, KVBackend  # noqa: E402
-from bladed.runner.generation import GenerationResult, Policy, Runner  # noqa: E402
-from bladed.runner.weights import LoadedModel, load_model  # noqa: E402
-from bladed_bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
-from bladed_bench.redis_server import RedisServer  # noqa: E402
-from bladed_bench.workload import BenchDaemon  # noqa: E402
+from bladed.client import Client, PrefixKey
+from bladed.kvstore import BladedKV, Geometry, KVBackend
+from bladed.runner.generation import GenerationResult, Policy, Runner
+from bladed.runner.weights import LoadedModel, load_model
+from bladed_bench.environment import filesystem_of, git_info, machine_info
+from bladed_bench.redis_server import RedisServer
+from bladed_bench.repo import REPO as ROOT
+from bladed_bench.workload import BenchDaemon
 
 USER_TURNS = [
     "Which rule covers late deliveries?", "Summarise rule 12 in one sentence.", "Is rule 7 stricter than rule 3?",
@@ -262,8 +259,8 @@ def plot(result: dict[str, Any], path: str) -> str | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=1024)

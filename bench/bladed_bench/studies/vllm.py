@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """bladed behind a real vLLM engine (docs/vllm.md): time to first token of a prompt served before, recomputed
 against loaded from bladed, after ``reset_prefix_cache()``, an engine restart and a daemon restart (clean and
 SIGKILL); the outputs compared; the device bytes written per store; two engines sharing a prefix; vLLM's own
@@ -26,13 +25,11 @@ import tempfile
 import time
 from typing import IO, Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-
-from bladed.client import Client  # noqa: E402
-from bladed.runner.weights import smollm2_dir  # noqa: E402
-from bladed.spawn import PrivateDaemon  # noqa: E402
-from bladed_bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
+from bladed.client import Client
+from bladed.runner.weights import smollm2_dir
+from bladed.spawn import PrivateDaemon
+from bladed_bench.environment import filesystem_of, git_info, machine_info
+from bladed_bench.repo import REPO as ROOT
 
 PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 TEXT = os.path.join(ROOT, "docs", "architecture.md")
@@ -115,13 +112,13 @@ def summary(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": xs}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2080)
     ap.add_argument("--out", default="")
     ap.add_argument("--dir", default="/var/tmp")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if not os.path.exists(PYTHON):
         sys.exit("tools/bench_vllm.py: .venv-vllm is missing; run tools/setup.sh --vllm")
     model = str(smollm2_dir())

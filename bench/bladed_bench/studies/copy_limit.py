@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The machine's page-cache copy limit: how fast a resident file's pages reach process memory, alternated.
 
 The physical yardstick of a decode step whose KV set is all in the page cache (the KV sweep at the
@@ -24,7 +23,8 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bladed_bench.repo import REPO as ROOT
+
 CHUNK = 32 << 20   # one pread per 32 MiB (a KPU-sized range)
 
 
@@ -54,8 +54,8 @@ def mmap_gbps(src: memoryview, dst: memoryview, size: int) -> float:
     return size / (time.perf_counter() - t0) / 1e9
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--size", type=lambda s: int(float(s.rstrip("G")) * (1 << 30)), default=1 << 30,
                    help="file size in GiB (default 1G)")
     p.add_argument("--rounds", type=int, default=5)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Prefill's slow mode outside bladed: fresh page-cache writes on memory the host took back or still backs.
 
 In a virtual machine whose kernel reports free pages to the host (free page
@@ -31,11 +30,9 @@ import sys
 import time
 from collections.abc import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-
-from bladed_bench.cgroup import drop_caches  # noqa: E402
-from bladed_bench.environment import git_info, machine_info  # noqa: E402
+from bladed_bench.cgroup import drop_caches
+from bladed_bench.environment import git_info, machine_info
+from bladed_bench.repo import REPO as ROOT
 
 PIECE, TOTAL = 32 << 20, 2 << 30
 REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
@@ -85,12 +82,12 @@ def write_pieces(path: str, how: str, piece: bytes) -> list[float]:
     return times
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/var/tmp")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_host_faults: needs root (drop_caches); run it with sudo", file=sys.stderr)
         return 2

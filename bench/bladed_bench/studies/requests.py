@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Request overhead of the data path, against the yardsticks, alternated in one run (docs/benchmarks.md).
 
 Measures, round after round (each measure once per round, in turn):
@@ -34,15 +33,13 @@ import threading
 import time
 from collections.abc import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its benchmark harness
-
-from bladed.client import Client  # noqa: E402
-from bladed.io import Engine, StagingBuffer  # noqa: E402
-from bladed.io.file import FileDevice  # noqa: E402
-from bladed.protocol import HEADER, IO_FORMAT, MAGIC  # noqa: E402
-from bladed_bench.environment import filesystem_of, git_info, machine_info  # noqa: E402
-from bladed_bench.workload import BenchDaemon  # noqa: E402
+from bladed.client import Client
+from bladed.io import Engine, StagingBuffer
+from bladed.io.file import FileDevice
+from bladed.protocol import HEADER, IO_FORMAT, MAGIC
+from bladed_bench.environment import filesystem_of, git_info, machine_info
+from bladed_bench.repo import REPO as ROOT
+from bladed_bench.workload import BenchDaemon
 
 #: one token row of 4 KiB (a whole LBA): 8 KV heads x 128 x fp16 x batch 2
 GEO = {"layers": 16, "batch": 2, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "max_tokens": 256}
@@ -115,8 +112,8 @@ class BulkReader:
         self.thread.join()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--ops", type=int, default=400, help="operations per measure and round")
     p.add_argument("--dir", default=None, help="where the daemon's store goes (default: a temp dir in /var/tmp)")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Tokens per second of a real model whose KV cache does not fit in memory: bladed against what a user would
 run instead (FlexLLMGen's mmap offload, the KV in RAM), under real memory limits (docs/benchmarks.md).
 
@@ -27,10 +26,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its harness
-
-from bladed_bench.e2e import (  # noqa: E402
+from bladed_bench.e2e import (
     SELECT_SUFFIX,
     SIDES,
     WORKLOADS,
@@ -40,6 +36,7 @@ from bladed_bench.e2e import (  # noqa: E402
     plot,
     run_e2e,
 )
+from bladed_bench.repo import REPO as ROOT
 
 
 def _fractions(text: str) -> list[float]:
@@ -64,8 +61,8 @@ def _sides(text: str) -> list[str]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/bench_e2e.py", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or "tools/bench_e2e.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the sweep, write its JSON, print its tables")
@@ -108,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = build_parser(prog)
+    a = p.parse_args(argv)
     if a.cmd == "report":
         with open(a.json) as f:
             doc = json.load(f)
@@ -124,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             if v is not None}
     w = dataclasses.replace(w, **over)
     if a.reps < 1:
-        print("tools/bench_e2e.py: error: --reps must be at least 1", file=sys.stderr)
+        print(f"{p.prog}: error: --reps must be at least 1", file=sys.stderr)
         return 2
     selects = [x.strip() for x in (a.select or "").split(";") if x.strip()]
     if any(SELECT_SUFFIX in s for s in a.sides) != bool(selects):
-        print(f"tools/bench_e2e.py: error: --select goes with sides named <side>{SELECT_SUFFIX} (and they with it)",
+        print(f"{p.prog}: error: --select goes with sides named <side>{SELECT_SUFFIX} (and they with it)",
               file=sys.stderr)
         return 2
     from bladed.kvselect import SelectError, parse_select
@@ -137,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             parse_select(spec, "--select")
         except SelectError as e:
-            print(f"tools/bench_e2e.py: error: {e}", file=sys.stderr)
+            print(f"{p.prog}: error: {e}", file=sys.stderr)
             return 2
     notes = dict(n.partition("=")[::2] for n in a.note)
     plan = E2EPlan(workload=w, sides=a.sides, fractions=a.limits, reps=a.reps, workdir=a.workdir,

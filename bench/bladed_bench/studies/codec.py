@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The q8 / q4 codec's rates on this CPU: the C codec against the torch ops, alternated in one process (issue 40).
 
 For each format, tensor and thread count, every repetition times the C path and the torch path (the order
@@ -24,13 +23,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # this checkout's bladed and its benchmark harness
+import torch
 
-import torch  # noqa: E402
-
-from bladed.kvformat import QuantFormat, codec_info, kv_format  # noqa: E402
-from bladed_bench.environment import git_info, machine_info  # noqa: E402
+from bladed.kvformat import QuantFormat, codec_info, kv_format
+from bladed_bench.environment import git_info, machine_info
+from bladed_bench.repo import REPO as ROOT
 
 #: the issue's targets for the C codec on one thread, GB/s of fp16: (quantize, dequantize)
 TARGETS = {"q8": (3.0, 6.0), "q4": (2.0, 4.0)}
@@ -84,8 +81,8 @@ def codec_ops(f: QuantFormat, x: torch.Tensor, rows: torch.Tensor, dst: torch.Te
             "dequantize": lambda: f.decode(rows, out=dst, codec=path, threads=threads)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--formats", default="q8,q4", help="comma-separated quantized formats (q8, q4, q8:64, ...)")
     p.add_argument("--tensors", type=tensors, default=tensors("8192x3x64,2048x32x128"),
                    help="TOKENSxHEADSxHEAD_DIM,... (default: a SmolLM2-135M layer's K at 8192 tokens, 3 MiB of fp16, "
