@@ -3,6 +3,9 @@
 The ``bladed-bench`` distribution (``bench/`` of the source checkout), not part of the ``bladed`` package:
 it imports bladed, never the reverse (docs/benchmarks.md, "The harness").
 
+* :mod:`bladed_bench.main`, :mod:`bladed_bench.studies` - the command line: ``bladectl bench STUDY`` /
+  ``python -m bladed_bench STUDY``, every study by name (``tools/bench_*.py`` are shims that run one)
+* :mod:`bladed_bench.stats` - medians with their spread, paired ratios, the runs that ended, sizes
 * :mod:`bladed_bench.workload` - the FlexLLMGen-pattern KV workload driver and its targets (the Baseline:
   :mod:`bladed.torchdisk`, FlexLLMGen's ``TorchDisk`` mmap path, which ``bladed-runner --backend mmap`` runs too)
 * :mod:`bladed_bench.e2e` - real inference under memory limits: ``bladed-runner`` with every KV backend

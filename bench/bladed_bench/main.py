@@ -1,4 +1,5 @@
-"""Command line of the KV benchmark: ``sweep``, ``run`` and ``report``."""
+"""The harness's command line: ``bladectl bench STUDY`` / ``python -m bladed_bench STUDY`` for every study of
+:mod:`bladed_bench.studies`; the KV sweep's own (``sweep``, ``run`` and ``report``) are here."""
 
 from __future__ import annotations
 
@@ -259,9 +260,42 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None, prog: str = "bench_kv") -> int:
+def kv_main(argv: list[str] | None = None, prog: str = "bench_kv") -> int:
+    """The KV sweep's subcommands: ``sweep``, ``run`` and ``report``."""
     a = build_parser(prog).parse_args(argv)
     return int(a.fn(a))
+
+
+def usage(prog: str) -> str:
+    """``--help``: every study, one line each."""
+    from bladed_bench.studies import STUDIES
+
+    width = max(len(n) for n in STUDIES)
+    lines = [f"usage: {prog} STUDY [ARGS ...]", "",
+             "Reproduce the Dual-Blade evaluation and bladed's other measurements (docs/benchmarks.md).", "",
+             "studies:"]
+    lines += [f"  {s.name:<{width}}  {s.description}" for s in STUDIES.values()]
+    lines += ["", f"`{prog} STUDY --help`: the options of one study."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "bench_kv") -> int:
+    """``STUDY [ARGS ...]``: run one study of :mod:`bladed_bench.studies` (its module imported only then)."""
+    from bladed_bench.studies import STUDIES, run
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(usage(prog))
+        return 0
+    if not args:
+        print(usage(prog), file=sys.stderr)
+        return 2
+    name = args[0]
+    if name not in STUDIES:
+        print(f"{prog}: unknown study {name!r} (choose from {', '.join(STUDIES)})", file=sys.stderr)
+        return 2
+    # the KV sweep's subcommands keep their parser's prog (`bladectl bench sweep`); the others get theirs
+    return run(name, args[1:], prog=prog if STUDIES[name].subcommand else f"{prog} {name}")
 
 
 if __name__ == "__main__":

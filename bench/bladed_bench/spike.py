@@ -501,7 +501,7 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["neighbour"]:
         return neighbour_main(int(args[1]), float(args[2]), int(args[3]))
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(demotion_one(args[1], args[2])))
         return 0
     d = SpikeSpec()
-    p = argparse.ArgumentParser(prog="tools/bench_spike.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog or "tools/bench_spike.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--placements", default=",".join(d.placements))
     p.add_argument("--rates", default=",".join(str(r // MiB) for r in d.rates), help="MiB/s, comma-separated")
     p.add_argument("--backings", default=",".join(d.backings))

@@ -140,7 +140,7 @@ for _command in (*daemon_commands.COMMANDS, ns):
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def bench(ctx: click.Context, args: tuple[str, ...]) -> None:
-    """The KV benchmark suite: sweep, run or report (`bladectl bench --help`).
+    """The benchmark suite: `bladectl bench STUDY` for every study (`bladectl bench --help` lists them).
 
     Everything after `bench` goes to the benchmark harness, a separate package (docs/benchmarks.md).
     """

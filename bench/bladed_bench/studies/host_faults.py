@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from bladed_bench.cgroup import drop_caches
 from bladed_bench.environment import git_info, machine_info
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         touch_anonymous(TOTAL)
 
     histories: dict[str, Callable[[], None]] = {"dropped": dropped, "just_freed": lambda: None, "backed": backed}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rep in range(a.reps):
         for how in ("pwrite", "mmap"):
             for history, prepare in histories.items():

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 for lim in (float(x) for x in a.limits.split(",")):
                     order = ["old", "new"] if rep % 2 == 0 else ["new", "old"]
                     for name in order:
-                        workload.AdaptivePipeline = variants[name]
+                        workload.AdaptivePipeline = variants[name]  # type: ignore[misc]
                         point = Point("sweep", "dualblade", "adaptive", int(lim * GiB),
                                       kv_format=None if fmt == "fp16" else fmt)
                         path = os.path.join(tmp, f"{name}-{fmt}-{lim}-{rep}.json")

@@ -82,6 +82,7 @@ class Bench:
         return BladedKV.open(g, channels=2, client=self.client, defer_writes=True, prefix=self.key)
 
     def ids(self, messages: list[dict[str, str]]) -> torch.Tensor:
+        assert self.lm.tokenizer is not None      # SmolLM2's GGUF carries its tokenizer
         enc = self.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
         return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
 
@@ -93,6 +94,7 @@ class Bench:
         tokens = res.tokens[0].tolist()
         if self.eos in tokens:
             tokens = tokens[:tokens.index(self.eos)]
+        assert self.lm.tokenizer is not None
         return str(self.lm.tokenizer.decode(tokens, skip_special_tokens=True))
 
 

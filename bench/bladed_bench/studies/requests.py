@@ -77,7 +77,7 @@ class PingPong:
         self.proc.join(5)
 
 
-def per_op_us(fn: Callable[[], None], ops: int) -> float:
+def per_op_us(fn: Callable[[], object], ops: int) -> float:
     """Median microseconds of ``ops`` calls of ``fn`` (each timed alone)."""
     times = []
     for _ in range(ops):
@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             def bulk_read() -> None:
                 bulk.read(0, "k", 0)
 
-            def batch(name: str) -> Callable[[], None]:
+            def batch(name: str) -> Callable[[], object]:
                 return lambda: ch[name].submit(step[name])
 
-            def singles(name: str) -> Callable[[], None]:
+            def singles(name: str) -> Callable[[], object]:
                 return lambda: [ch[name].submit([r]) for r in step[name]] and None
 
-            measures: dict[str, Callable[[], None]] = {
+            measures: dict[str, Callable[[], object]] = {
                 "pingpong_us": pp.once,
                 "pc_write_us": lambda: ch["pc"].submit(one["pc"]["write"]) and None,
                 "pc_read_us": lambda: ch["pc"].submit(one["pc"]["read"]) and None,
