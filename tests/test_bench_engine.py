@@ -1,11 +1,11 @@
-"""tools/bench_engine.py runs end to end against fio and writes well-formed results.
+"""tools/bench_engine.py (``bladectl bench engine``, bench/bladed_bench/studies/engine.py) runs end to end
+against fio and writes well-formed results.
 
 No timing assertions: speed targets are benchmarks (docs/benchmarks.md), not tests.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,19 +14,9 @@ import sys
 
 import pytest
 
-TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "bench_engine.py"
+from bladed_bench.studies import engine as bench
 
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_engine", TOOL)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_tool()
+TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "bench_engine.py"   # the shim the docs quote
 
 
 def test_parse_and_format_sizes() -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from bladed.config import BudgetConfig
 from bladed.sizes import PAGE_SIZE, align_up
-from bladed_bench import environment
+from bladed_bench import environment, stats
 from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
 from bladed_bench.metrics import (
     DiskSampler,
@@ -568,26 +568,18 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
 
 # -- figures from the JSON ------------------------------------------------------------------
 
-def _med(values: list[float | None] | list[float]) -> dict[str, float] | None:
-    xs = [x for x in values if x is not None]
-    if not xs:
-        return None
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+_med = stats.median_range
 
 
 def ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in doc["runs"] if "error" not in r]
+    return stats.ok_runs(doc)
 
 
 def paired(doc: dict[str, Any], a: str, b: str, key: str, limit: int) -> list[float]:
     """``a``'s ``key`` ÷ ``b``'s, run against run in the same round (the same repetition and limit)."""
-    by = {(r["round"], r["side"]): r for r in ok_runs(doc) if r["limit_bytes"] == limit}
-    out = []
-    for (rnd, side), r in sorted(by.items()):
-        other = by.get((rnd, b))
-        if side == a and other is not None and other.get(key) and r.get(key) is not None:
-            out.append(r[key] / other[key])
-    return out
+    by_round = stats.paired([r for r in ok_runs(doc) if r["limit_bytes"] == limit], a, b, name=lambda r: r["side"],
+                            group=lambda r: r["round"], value=lambda r: r.get(key))
+    return [x for xs in by_round.values() for x in xs]
 
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
@@ -663,11 +655,7 @@ def breakdown(doc: dict[str, Any], limit: int, sides: Iterable[str]) -> dict[str
 
 
 def _fmt(m: dict[str, float] | None, digits: int = 2, scale: float = 1.0) -> str:
-    if not m:
-        return "-"
-    if m["n"] == 1:
-        return f"{m['median'] * scale:.{digits}f}"
-    return f"{m['median'] * scale:.{digits}f} [{m['min'] * scale:.{digits}f}-{m['max'] * scale:.{digits}f}]"
+    return stats.fmt(m, digits, scale)
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from bladed_bench.repo import REPO
+from bladed_bench.stats import parse_size
 from bladed_bench.workload import CONFIGS, WorkloadSpec
 
 GiB = 1 << 30
@@ -20,13 +21,8 @@ DMA_MODES = ("none", "model", "copy")
 
 
 def _size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": MiB, "G": GiB}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMG" else t
-    try:
-        return int(float(num) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1G, 512M)") from None
+    """``1G``, ``1.5G``, ``512M`` (:func:`bladed_bench.stats.parse_size` with fractions)."""
+    return parse_size(text, fractions=True)
 
 
 def _floats(text: str) -> list[float]:

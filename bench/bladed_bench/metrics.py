@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bladed_bench.stats import summarize  # the one home of the statistics (bladed_bench.stats)
+
 SECTOR = 512
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -244,16 +246,6 @@ def latency_stats(values_s: Sequence[float]) -> dict[str, Any]:
     ms = [v * 1e3 for v in values_s]
     return {"n": len(ms), "avg_ms": statistics.fmean(ms), "p50_ms": percentile(ms, 50),
             "p99_ms": percentile(ms, 99), "max_ms": max(ms)}
-
-
-def summarize(values: Iterable[float | None]) -> dict[str, Any]:
-    """Median with min, max and relative spread ((max - min) / median) of repeated measurements."""
-    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return {"n": 0, "median": None, "min": None, "max": None, "spread_pct": None}
-    med = statistics.median(vals)
-    return {"n": len(vals), "median": med, "min": min(vals), "max": max(vals),
-            "spread_pct": 100.0 * (max(vals) - min(vals)) / med if med else None}
 
 
 def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:

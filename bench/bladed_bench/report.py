@@ -15,7 +15,8 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from bladed_bench.metrics import summarize
+from bladed_bench import stats
+from bladed_bench.stats import summarize
 from bladed_bench.workload import CONFIGS, LABELS
 
 GiB = 1 << 30
@@ -52,9 +53,8 @@ def ok_runs(doc: dict[str, Any], study: str | None = None, config: str | None = 
             pipeline: str | None = None, kv_format: str | None = None) -> list[dict[str, Any]]:
     """The runs that ended, of one study / config / pipeline; of plain rows unless ``kv_format`` names one
     (the paper's figures compare plain rows; the formats have their own table)."""
-    return [r for r in doc["runs"] if "error" not in r and (study is None or r["study"] == study)
-            and (config is None or r["config"] == config) and (pipeline is None or r["pipeline"] == pipeline)
-            and r.get("kv_format") == kv_format]
+    match = {k: v for k, v in (("study", study), ("config", config), ("pipeline", pipeline)) if v is not None}
+    return stats.ok_runs(doc, **match, kv_format=kv_format)
 
 
 def run_name(r: dict[str, Any]) -> str:
@@ -83,14 +83,7 @@ def med(runs: list[dict[str, Any]], field: str | Callable[[dict[str, Any]], Any]
     return summarize(fn(r) for r in runs)
 
 
-def fmt(s: dict[str, Any] | None, digits: int = 2, scale: float = 1.0, spread: bool = True) -> str:
-    """``median [min-max]``."""
-    if not s or s.get("median") is None:
-        return "-"
-    m = s["median"] * scale
-    if not spread or s["n"] < 2:
-        return f"{m:.{digits}f}"
-    return f"{m:.{digits}f} [{s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f}]"
+fmt = stats.fmt     # ``median [min-max]``
 
 
 def gib(n: int | float | None) -> str:
@@ -155,14 +148,10 @@ def paired(doc: dict[str, Any], study: str, a: str, b: str | Callable[[dict[str,
     """Per limit: ratios a/b of runs from the same round (same repetition and limit)."""
     out: dict[Any, list[float]] = {}
     runs = [r for r in ok_runs(doc, study) if pipeline is None or r["pipeline"] == pipeline]
-    for (_rnd, lim), rs in by_key(runs, lambda r: (r.get("round"), r["limit_bytes"])).items():
-        cfg = {r["config"]: r for r in rs}
-        if a not in cfg:
-            continue
-        den = b(cfg) if callable(b) else (get(cfg[b], field) if b in cfg else None)
-        num = get(cfg[a], field)
-        if num is not None and den:
-            out.setdefault(lim, []).append(num / den)
+    by_round = stats.paired(runs, a, b, name=lambda r: r["config"], group=lambda r: (r.get("round"), r["limit_bytes"]),
+                            value=lambda r: get(r, field))
+    for (_rnd, lim), xs in by_round.items():
+        out.setdefault(lim, []).extend(xs)
     return out
 
 

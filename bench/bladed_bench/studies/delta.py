@@ -14,6 +14,8 @@ import statistics
 import sys
 from typing import Any
 
+from bladed_bench import stats
+
 GiB = 1 << 30
 
 
@@ -32,14 +34,10 @@ def sweep_runs(d: dict[str, Any]) -> dict[tuple[str, int, int], dict[str, Any]]:
 
 def paired(runs: dict, a: str, b: Any, limit: int, field: str) -> list[float]:
     """Ratios a/b per repetition; b may be a config name or a callable(rep) -> value."""
-    vals = []
-    for (cfg, lim, rep), r in runs.items():
-        if cfg != a or lim != limit:
-            continue
-        den = b(rep) if callable(b) else (runs.get((b, lim, rep)) or {}).get(field)
-        if den:
-            vals.append(r[field] / den)
-    return vals
+    den = (lambda by: b(by[a]["rep"])) if callable(b) else b
+    by_rep = stats.paired([r for (_, lim, _), r in runs.items() if lim == limit], a, den, name=lambda r: r["config"],
+                          group=lambda r: r["rep"], value=lambda r: r[field])
+    return [x for xs in by_rep.values() for x in xs]
 
 
 def ratio_of_medians(runs: dict, a: str, b: str, limit: int, field: str) -> str:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladed_bench import stats
 from bladed_bench.environment import (
     disk_info,
     filesystem_of,
@@ -56,49 +57,19 @@ from bladed_bench.environment import (
     run_text,
 )
 from bladed_bench.repo import REPO
+from bladed_bench.stats import human_size, parse_size
 
 SCHEMA = "bladed.bench_engine/1"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_TARGET_RATIO = 0.95
 FILE_NAME = "bench-engine.img"
-_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
-          "G": GiB, "GB": GiB, "GIB": GiB, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
 
 
 # --------------------------------------------------------------- helpers --
 
-def parse_size(text: str) -> int:
-    """``"128K"``, ``"1M"``, ``"1G"``, ``"4096"`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 128K, 1M, 1G)")
-    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def human_size(n: int) -> str:
-    """Bytes as the shortest exact binary unit: 131072 -> ``128K``."""
-    for unit, scale in (("G", GiB), ("M", MiB), ("K", KiB)):
-        if n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
-
-
 def summarize(values: Sequence[float]) -> dict[str, Any]:
-    """Median, min, max and relative spread ((max - min) / median) of MB/s values."""
-    if not values:
-        return {"n": 0, "median": None, "min": None, "max": None, "spread_pct": None, "values": []}
-    med = statistics.median(values)
-    return {
-        "n": len(values),
-        "median": med,
-        "min": min(values),
-        "max": max(values),
-        "spread_pct": 100.0 * (max(values) - min(values)) / med if med else None,
-        "values": list(values),
-    }
+    """Median, min, max and relative spread ((max - min) / median) of MB/s values, the values kept."""
+    return stats.summarize(values, keep_values=True, skip_missing=False)
 
 
 # ----------------------------------------------------------- environment --

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from bladed.config import parse_size
+from bladed_bench import stats
 from bladed_bench.cgroup import MemCgroup, drop_caches
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.metrics import block_device_of, wait_device_idle, wait_free_pages_reported
@@ -266,7 +267,10 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
         for other in configs:
             if other == "daemon" or not by.get(other):
                 continue
-            pairs = [d["seconds"] / o["seconds"] for d in by["daemon"] for o in by[other] if d["rep"] == o["rep"]]
+            # the daemon's time over the other's, run against run in the same repetition
+            by_rep = stats.paired(by["daemon"] + by[other], "daemon", other, name=lambda r: r["config"],
+                                  group=lambda r: r["rep"], value=lambda r: r["seconds"])
+            pairs = [x for xs in by_rep.values() for x in xs]
             out[f"daemon_over_{other}"] = {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs)}
         faster = min((c for c in configs if c != "daemon" and c in out), key=lambda c: out[c]["median_s"],
                      default=None)

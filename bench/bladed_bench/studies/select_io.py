@@ -29,6 +29,7 @@ from typing import Any
 from bladed.client import Client
 from bladed.protocol import IOOp, IORange
 from bladed.residency.geometry import tensor_id
+from bladed_bench import stats
 from bladed_bench.environment import machine_info
 from bladed_bench.workload import BenchDaemon, page_runs
 
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             daemon.stop()
     requests = {"pipelined": sum(len(r) for r in per_kpu), "one_request": a.kpus, "dense": a.kpus}
 
-    def med(xs: list[float]) -> dict[str, float]:
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    def med(xs: list[float]) -> dict[str, float] | None:
+        return stats.median_range(xs)
 
     pairs = {"pipelined/one_request": [x / y for x, y in zip(results["pipelined"], results["one_request"],
                                                               strict=True)],
