@@ -97,6 +97,12 @@ def test_bladectl_and_python_m_and_the_shim_run_a_study(name: str, nowhere: str)
     assert t.returncode == 0 and t.stdout.startswith(f"usage: {shim} "), t.stderr
 
 
+def test_the_docs_name_every_study() -> None:
+    text = (pathlib.Path(ROOT) / "docs" / "benchmarks.md").read_text()
+    for s in STUDIES.values():
+        assert f"| `bladectl bench {s.name}` | `{s.tool}` |" in text, s.name
+
+
 def test_every_shim_is_a_shim() -> None:
     """``tools/bench_*.py`` only run their study (no copy of a study's code is left in tools/)."""
     for shim in set(SHIMS.values()):
