@@ -130,6 +130,16 @@ def test_median_range_and_fmt() -> None:
     assert stats.fmt(m) == "2.00 [1.00-4.00]" and stats.fmt(m, 1, 10.0, spread=False) == "20.0"
     assert stats.fmt(stats.median_range([1.5])) == "1.50" and stats.fmt(None) == "-"
     assert stats.fmt(stats.summarize([])) == "-"
+    assert stats.median_range([3.0, 1.0], count=False) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert stats.median([3.0, None, 1.0]) == 2.0 and stats.median([None]) is None
+    assert stats.median([], default=-1.0) == -1.0
+
+
+def test_percentile_and_latency() -> None:
+    assert stats.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5) and stats.percentile([], 50) is None
+    lat = stats.latency_stats([0.001, 0.003])
+    assert lat["n"] == 2 and lat["avg_ms"] == pytest.approx(2.0) and lat["max_ms"] == pytest.approx(3.0)
+    assert stats.latency_stats([])["avg_ms"] is None
 
 
 def test_ok_runs_and_paired_within_a_round() -> None:
@@ -159,4 +169,8 @@ def test_parse_size_both_ways() -> None:
     assert stats.parse_size("512MiB", fractions=True) == 512 << 20
     with pytest.raises(Exception):  # noqa: B017
         stats.parse_size("1T", fractions=True)
+    # the copy-limit study's --size: a bare number in GiB; a memory limit of 0: none
+    assert stats.parse_size("1.5", fractions=True, unit=stats.GiB) == 3 << 29
+    assert stats.parse_size("512M", fractions=True, unit=stats.GiB) == 512 << 20
+    assert stats.parse_size("0", zero=True) == 0 and stats.parse_size("3G", zero=True) == 3 << 30
     assert [stats.human_size(n) for n in (128 << 10, 1 << 20, 1 << 30, 1000)] == ["128K", "1M", "1G", "1000"]

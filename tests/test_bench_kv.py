@@ -17,7 +17,8 @@ import pytest
 
 from bladed_bench import metrics
 from bladed_bench.main import main
-from bladed_bench.metrics import percentile, summarize, union_seconds, wait_free_pages_reported
+from bladed_bench.metrics import union_seconds, wait_free_pages_reported
+from bladed_bench.stats import percentile, summarize
 from bladed_bench.workload import CONFIGS
 
 TINY = ["--layers", "4", "--batch", "1", "--kv-heads", "4", "--head-dim", "512", "--prompt-len", "32",

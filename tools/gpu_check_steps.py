@@ -991,20 +991,21 @@ def _e2e_workload(a: argparse.Namespace, cuda: bool) -> Any:
 def _paired_flexgen(doc: Result, runs: list[Result]) -> dict[str, Any]:
     """Per fraction: FlexGen's medians and Dual-Blade's and mmap's decode and TTFT times ÷ FlexGen's, paired
     within a round (the same repetition and limit)."""
-    from bladed_bench.e2e import _med, ok_runs
+    from bladed_bench.stats import median_range as med
+    from bladed_bench.stats import ok_runs
 
     out: dict[str, Any] = {}
     fg_ok = [r for r in runs if "error" not in r and "skipped" not in r]
     for frac in doc["plan"]["fractions"]:
         mine = [r for r in fg_ok if r["fraction"] == frac]
-        row: dict[str, Any] = {"runs": len(mine), "decode_tok_s": _med([r["decode_tok_s"] for r in mine]),
-                               "prefill_tok_s": _med([r["prefill_tok_s"] for r in mine]),
-                               "ttft_s": _med([r["ttft_s"] for r in mine])}
+        row: dict[str, Any] = {"runs": len(mine), "decode_tok_s": med([r["decode_tok_s"] for r in mine]),
+                               "prefill_tok_s": med([r["prefill_tok_s"] for r in mine]),
+                               "ttft_s": med([r["ttft_s"] for r in mine])}
         for side in ("dualblade", "mmap", "baseline"):
             for key in ("decode_s", "ttft_s"):
                 ratios = [o[key] / r[key] for r in mine for o in ok_runs(doc)
                           if o["side"] == side and o["round"] == r["round"] and r.get(key) and o.get(key)]
-                row[f"{side}/flexgen_{key.removesuffix('_s')}_time"] = _med(ratios)
+                row[f"{side}/flexgen_{key.removesuffix('_s')}_time"] = med(ratios)
         out[f"{frac:g}"] = row
     return out
 
@@ -1019,7 +1020,7 @@ def step_e2e(a: argparse.Namespace) -> Result:
     import torch
 
     from bladed.sizes import PAGE_SIZE, align_up
-    from bladed_bench.e2e import E2EPlan, E2ERunner, markdown, run_e2e, summarize
+    from bladed_bench.e2e import E2EPlan, E2ERunner, markdown, run_e2e, summary_by_limit
     from bladed_bench.repo import repo_env
 
     if a.no_daemon:
@@ -1111,7 +1112,7 @@ def step_e2e(a: argparse.Namespace) -> Result:
     doc = run_e2e(plan, out_json, progress=say)
     doc["flexgen"] = flexgen
     data["json"] = os.path.basename(out_json)
-    summ = doc.get("summary") or summarize(doc)
+    summ = doc.get("summary") or summary_by_limit(doc)
     fg_ok = [r for r in fg_runs if "error" not in r and "skipped" not in r]
     if fg_runner is not None:
         flexgen["status"] = "failed" if any("error" in r for r in fg_runs) else "passed"

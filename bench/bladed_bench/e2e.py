@@ -561,30 +561,24 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
             break
     doc["wall_s"] = round(time.perf_counter() - t_start, 1)
     doc["machine"]["loadavg_end"] = environment.read_text("/proc/loadavg")
-    doc["summary"] = summarize(doc)
+    doc["summary"] = summary_by_limit(doc)
     save()
     return doc
 
 
 # -- figures from the JSON ------------------------------------------------------------------
 
-_med = stats.median_range
-
-
-def ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return stats.ok_runs(doc)
-
-
-def paired(doc: dict[str, Any], a: str, b: str, key: str, limit: int) -> list[float]:
-    """``a``'s ``key`` ÷ ``b``'s, run against run in the same round (the same repetition and limit)."""
-    by_round = stats.paired([r for r in ok_runs(doc) if r["limit_bytes"] == limit], a, b, name=lambda r: r["side"],
-                            group=lambda r: r["round"], value=lambda r: r.get(key))
+def paired_at(doc: dict[str, Any], a: str, b: str, key: str, limit: int) -> list[float]:
+    """At ``limit``: ``a``'s ``key`` ÷ ``b``'s, run against run in the same round (the same repetition and limit)."""
+    by_round = stats.paired([r for r in stats.ok_runs(doc) if r["limit_bytes"] == limit], a, b,
+                            name=lambda r: r["side"], group=lambda r: r["round"], value=lambda r: r.get(key))
     return [x for xs in by_round.values() for x in xs]
 
 
-def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """Per limit and side: medians [min-max] of the figures; the issue's ratios, paired within a round."""
-    runs = ok_runs(doc)
+def summary_by_limit(doc: dict[str, Any]) -> dict[str, Any]:
+    """The JSON's ``summary``: per limit and side, medians [min-max] of the figures; the issue's ratios, paired
+    within a round."""
+    runs = stats.ok_runs(doc)
     sides = doc["plan"]["sides"]
     out: dict[str, Any] = {"by_limit": [], "errors": len(doc["runs"]) - len(runs),
                            "tokens_equal_memory": all(r.get("tokens_equal_memory", False) for r in runs)}
@@ -597,18 +591,18 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             plans = [r["plan"]["fits"] for r in rs if r.get("plan") and r["plan"].get("fits") is not None]
             row["sides"][side] = {
                 "runs": len(rs),
-                "decode_tok_s": _med([r["decode_tok_s"] for r in rs]),
-                "prefill_tok_s": _med([r["prefill_tok_s"] for r in rs]),
-                "ttft_s": _med([r["ttft_s"] for r in rs]),
-                "owner_read_bytes": _med([(r.get("owner_io") or {}).get("read_bytes") for r in rs]),
-                "owner_write_bytes": _med([(r.get("owner_io") or {}).get("write_bytes") for r in rs]),
-                "pagecache_hit_ratio": _med([r["hit"]["pagecache_hit_ratio"] for r in rs]),
-                "served_from_memory": _med([r["hit"]["served_from_memory"] for r in rs]),
-                "cgroup_peak_bytes": _med([(r.get("cgroup") or {}).get("peak_bytes") for r in rs]),
-                "cgroup_anon_peak_bytes": _med([(r.get("cgroup") or {}).get("peak_stat", {}).get(
+                "decode_tok_s": stats.median_range([r["decode_tok_s"] for r in rs]),
+                "prefill_tok_s": stats.median_range([r["prefill_tok_s"] for r in rs]),
+                "ttft_s": stats.median_range([r["ttft_s"] for r in rs]),
+                "owner_read_bytes": stats.median_range([(r.get("owner_io") or {}).get("read_bytes") for r in rs]),
+                "owner_write_bytes": stats.median_range([(r.get("owner_io") or {}).get("write_bytes") for r in rs]),
+                "pagecache_hit_ratio": stats.median_range([r["hit"]["pagecache_hit_ratio"] for r in rs]),
+                "served_from_memory": stats.median_range([r["hit"]["served_from_memory"] for r in rs]),
+                "cgroup_peak_bytes": stats.median_range([(r.get("cgroup") or {}).get("peak_bytes") for r in rs]),
+                "cgroup_anon_peak_bytes": stats.median_range([(r.get("cgroup") or {}).get("peak_stat", {}).get(
                     "rss", (r.get("cgroup") or {}).get("peak_stat", {}).get("anon")) for r in rs]),
-                "failcnt": _med([(r.get("cgroup") or {}).get("failcnt") for r in rs]),
-                "planned_fits": _med(plans),
+                "failcnt": stats.median_range([(r.get("cgroup") or {}).get("failcnt") for r in rs]),
+                "planned_fits": stats.median_range(plans),
                 "tokens_equal_memory": all(r.get("tokens_equal_memory", False) for r in rs),
             }
         ratios: dict[str, Any] = {}
@@ -620,9 +614,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                   for b in (dense_side(side), "memory")]
         for a, b in pairs:
             if a in sides and b in sides:
-                ratios[f"{a}/{b}"] = {"decode_time": _med(paired(doc, a, b, "decode_s", limit)),
-                                      "ttft": _med(paired(doc, a, b, "ttft_s", limit)),
-                                      "decode_tok_s": _med(paired(doc, a, b, "decode_tok_s", limit))}
+                ratios[f"{a}/{b}"] = {"decode_time": stats.median_range(paired_at(doc, a, b, "decode_s", limit)),
+                                      "ttft": stats.median_range(paired_at(doc, a, b, "ttft_s", limit)),
+                                      "decode_tok_s": stats.median_range(paired_at(doc, a, b, "decode_tok_s", limit))}
         row["ratios"] = ratios
         out["by_limit"].append(row)
     return out
@@ -632,7 +626,7 @@ def worst_point(doc: dict[str, Any], a: str = "dualblade", b: str = "mmap") -> i
     """The limit where ``a``'s decode time is the largest share of ``b``'s (median of the paired ratios)."""
     best: tuple[float, int] | None = None
     for limit in doc["limits"]:
-        r = _med(paired(doc, a, b, "decode_s", limit))
+        r = stats.median_range(paired_at(doc, a, b, "decode_s", limit))
         if r is not None and (best is None or r["median"] > best[0]):
             best = (r["median"], limit)
     return None if best is None else best[1]
@@ -643,7 +637,7 @@ def breakdown(doc: dict[str, Any], limit: int, sides: Iterable[str]) -> dict[str
     step, medians over the repetitions, and the prefill step's."""
     out: dict[str, Any] = {}
     for side in sides:
-        rs = [r for r in ok_runs(doc) if r["side"] == side and r["limit_bytes"] == limit and r.get("steps")]
+        rs = [r for r in stats.ok_runs(doc) if r["side"] == side and r["limit_bytes"] == limit and r.get("steps")]
         if not rs:
             continue
         fields = [k for k in rs[0]["steps"][0] if k != "step"]
@@ -654,15 +648,11 @@ def breakdown(doc: dict[str, Any], limit: int, sides: Iterable[str]) -> dict[str
     return out
 
 
-def _fmt(m: dict[str, float] | None, digits: int = 2, scale: float = 1.0) -> str:
-    return stats.fmt(m, digits, scale)
-
-
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets against this run (issue 38): each a measure, its target, the values per limit and
     whether it holds. Decode and TTFT ratios are of times (below 1: Dual-Blade is faster), paired in a round;
     "full fit" is the highest limit."""
-    summ = doc.get("summary") or summarize(doc)
+    summ = doc.get("summary") or summary_by_limit(doc)
     rows = summ["by_limit"]
 
     def med(row: dict[str, Any], pair: str, key: str) -> float | None:
@@ -699,7 +689,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The tables of the report: decode tokens/s by limit and side; the issue's ratios; where the time goes."""
-    summ = doc.get("summary") or summarize(doc)
+    summ = doc.get("summary") or summary_by_limit(doc)
     sides = doc["plan"]["sides"]
     w = doc["workload"]
     kv = doc["kv_bytes"]
@@ -714,7 +704,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [head, "|" + " --- |" * (3 + len(sides))]
     for row in summ["by_limit"]:
         fits = row["sides"].get("dualblade", {}).get("planned_fits")
-        cells = [_fmt(row["sides"].get(s, {}).get("decode_tok_s")) for s in sides]
+        cells = [stats.fmt(row["sides"].get(s, {}).get("decode_tok_s")) for s in sides]
         lines.append(f"| {row['limit_bytes'] / GiB:.3f} | {row['fraction']:.2f} | "
                      f"{fits['median'] if fits else float('nan'):.2f} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios, paired run against run in a round, median [min-max] (time ratios: below 1 is faster):",
@@ -730,11 +720,11 @@ def markdown(doc: dict[str, Any]) -> str:
         r = row["ratios"]
 
         lines.append(
-            f"| {row['limit_bytes'] / GiB:.3f} | {_fmt(r.get('dualblade/mmap', {}).get('decode_time'))} | "
-            f"{_fmt(r.get('dualblade/mmap', {}).get('ttft'))} | "
-            f"{_fmt(r.get('dualblade/baseline', {}).get('decode_time'))} | "
-            f"{_fmt(r.get('dualblade/memory', {}).get('decode_tok_s'))} | "
-            f"{_fmt(r.get('dualblade-q8/dualblade', {}).get('decode_time'))} | "
+            f"| {row['limit_bytes'] / GiB:.3f} | {stats.fmt(r.get('dualblade/mmap', {}).get('decode_time'))} | "
+            f"{stats.fmt(r.get('dualblade/mmap', {}).get('ttft'))} | "
+            f"{stats.fmt(r.get('dualblade/baseline', {}).get('decode_time'))} | "
+            f"{stats.fmt(r.get('dualblade/memory', {}).get('decode_tok_s'))} | "
+            f"{stats.fmt(r.get('dualblade-q8/dualblade', {}).get('decode_time'))} | "
             f"{get(row, 'dualblade', 'pagecache_hit_ratio')} / {get(row, 'mmap', 'pagecache_hit_ratio')} | "
             f"{get(row, 'dualblade', 'owner_read_bytes', 1 / GiB)} / "
             f"{get(row, 'mmap', 'owner_read_bytes', 1 / GiB)} | "
@@ -775,8 +765,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 i = select_index(side) or 0
                 lines.append(f"| {row['limit_bytes'] / GiB:.3f} | {side_label(side)} | "
                              f"{specs[i] if i < len(specs) else '?'} | "
-                             f"{_fmt(r.get(f'{side}/{dense}', {}).get('decode_time'))} | "
-                             f"{_fmt(r.get(f'{side}/memory', {}).get('decode_tok_s'))} |")
+                             f"{stats.fmt(r.get(f'{side}/{dense}', {}).get('decode_time'))} | "
+                             f"{stats.fmt(r.get(f'{side}/memory', {}).get('decode_tok_s'))} |")
     eq = summ.get("tokens_equal_memory")
     lines += ["", f"Generated tokens equal to memory's (of the same KV format) on every run: "
                   f"{'yes' if eq else 'NO'}; failed runs: "
@@ -791,7 +781,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summ = doc.get("summary") or summarize(doc)
+    summ = doc.get("summary") or summary_by_limit(doc)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for side in doc["plan"]["sides"]:
         xs, ys, lo, hi = [], [], [], []
@@ -819,5 +809,5 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 
 __all__ = ["SELECT_SUFFIX", "SIDES", "WORKLOADS", "E2EPlan", "E2ERunner", "E2EWorkload", "breakdown", "markdown",
-           "plot", "run_e2e", "summarize", "worst_point"]
+           "plot", "run_e2e", "summary_by_limit", "worst_point"]
 

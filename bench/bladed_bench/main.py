@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import sys
@@ -18,11 +19,6 @@ GiB = 1 << 30
 MiB = 1 << 20
 PIPELINES = ("adaptive", "intra", "cross", "off")
 DMA_MODES = ("none", "model", "copy")
-
-
-def _size(text: str) -> int:
-    """``1G``, ``1.5G``, ``512M`` (:func:`bladed_bench.stats.parse_size` with fractions)."""
-    return parse_size(text, fractions=True)
 
 
 def _floats(text: str) -> list[float]:
@@ -224,8 +220,8 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
                    help="DMA of the alpha study (the pipeline overlaps storage reads with it)")
     s.add_argument("--reps", type=int, default=5)
     s.add_argument("--workdir", default="/var/tmp/bladed-bench", help="KV store, page-cache files, fio files")
-    s.add_argument("--fio-size", type=_size, default=GiB)
-    s.add_argument("--pc-probe-size", type=_size, default=512 * MiB)
+    s.add_argument("--fio-size", type=functools.partial(parse_size, fractions=True), default=GiB)
+    s.add_argument("--pc-probe-size", type=functools.partial(parse_size, fractions=True), default=512 * MiB)
     s.add_argument("--keep-series", choices=("all", "lowest", "none"), default="lowest")
     s.add_argument("--no-drop", action="store_true", help="do not drop caches between runs")
     s.add_argument("--no-settle", action="store_true",
@@ -242,7 +238,7 @@ def build_parser(prog: str = "bench_kv") -> argparse.ArgumentParser:
     r.add_argument("--config", choices=CONFIGS, default="dualblade")
     r.add_argument("--pipeline", choices=PIPELINES, default="adaptive")
     r.add_argument("--limit", type=float, default=0.0, help="GiB (0: no limit)")
-    r.add_argument("--budget-override", type=_size, default=None)
+    r.add_argument("--budget-override", type=functools.partial(parse_size, fractions=True), default=None)
     r.add_argument("--workdir", default="/var/tmp/bladed-bench")
     r.add_argument("--no-drop", action="store_true")
     r.add_argument("--json", help="write the full run record here")

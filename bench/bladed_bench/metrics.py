@@ -1,4 +1,4 @@
-"""Measurements: block-layer counters, CPU time, latency statistics, samplers.
+"""Measurements: block-layer counters, CPU time, samplers (their statistics: :mod:`bladed_bench.stats`).
 
 * Device throughput and busy ratio come from the block layer's own counters
   in ``/sys/block/<dev>/stat`` (sectors read/written, ``io_ticks``: the
@@ -12,16 +12,11 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
-
-from bladed_bench.stats import summarize  # the one home of the statistics (bladed_bench.stats)
 
 SECTOR = 512
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -224,29 +219,7 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-# -- statistics ----------------------------------------------------------------------
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (``q`` in 0..100)."""
-    if not values:
-        return None
-    s = sorted(values)
-    if len(s) == 1:
-        return float(s[0])
-    k = (len(s) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return float(s[lo] + (s[hi] - s[lo]) * (k - lo))
-
-
-def latency_stats(values_s: Sequence[float]) -> dict[str, Any]:
-    """avg / p50 / p99 / max in milliseconds."""
-    if not values_s:
-        return {"n": 0, "avg_ms": None, "p50_ms": None, "p99_ms": None, "max_ms": None}
-    ms = [v * 1e3 for v in values_s]
-    return {"n": len(ms), "avg_ms": statistics.fmean(ms), "p50_ms": percentile(ms, 50),
-            "p99_ms": percentile(ms, 99), "max_ms": max(ms)}
-
+# -- intervals -----------------------------------------------------------------------
 
 def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length of the union of ``[start, end]`` intervals."""
@@ -265,6 +238,5 @@ def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-__all__ = ["DiskSampler", "DiskStat", "NullDisk", "block_device_of", "cpu_seconds", "latency_stats", "percentile",
-           "reported_kib", "rss_bytes", "summarize", "union_seconds", "wait_device_idle",
-           "wait_free_pages_reported"]
+__all__ = ["DiskSampler", "DiskStat", "NullDisk", "block_device_of", "cpu_seconds", "reported_kib", "rss_bytes",
+           "union_seconds", "wait_device_idle", "wait_free_pages_reported"]

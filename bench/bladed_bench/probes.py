@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from bladed.sizes import align_up, ceil_div
-from bladed_bench.metrics import latency_stats
+from bladed_bench.stats import latency_stats
 
 MiB = 1 << 20
 

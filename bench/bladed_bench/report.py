@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from bladed_bench import stats
-from bladed_bench.stats import summarize
+from bladed_bench.stats import fmt, summarize
 from bladed_bench.workload import CONFIGS, LABELS
 
 GiB = 1 << 30
@@ -49,10 +49,10 @@ def load(paths: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def ok_runs(doc: dict[str, Any], study: str | None = None, config: str | None = None,
+def study_runs(doc: dict[str, Any], study: str | None = None, config: str | None = None,
             pipeline: str | None = None, kv_format: str | None = None) -> list[dict[str, Any]]:
-    """The runs that ended, of one study / config / pipeline; of plain rows unless ``kv_format`` names one
-    (the paper's figures compare plain rows; the formats have their own table)."""
+    """The runs that ended (:func:`~bladed_bench.stats.ok_runs`) of one study / config / pipeline; of plain rows
+    unless ``kv_format`` names one (the paper's figures compare plain rows; the formats have their own table)."""
     match = {k: v for k, v in (("study", study), ("config", config), ("pipeline", pipeline)) if v is not None}
     return stats.ok_runs(doc, **match, kv_format=kv_format)
 
@@ -79,11 +79,10 @@ def get(r: dict[str, Any], dotted: str) -> Any:
 
 
 def med(runs: list[dict[str, Any]], field: str | Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """:func:`~bladed_bench.stats.summarize` of a field (dotted: ``bytes.decode_read``) or of a function of
+    each run."""
     fn = field if callable(field) else (lambda r: get(r, field))
     return summarize(fn(r) for r in runs)
-
-
-fmt = stats.fmt     # ``median [min-max]``
 
 
 def gib(n: int | float | None) -> str:
@@ -127,7 +126,7 @@ def ideal_ratio(doc: dict[str, Any], r: dict[str, Any], pooled: bool = False) ->
 def fits_fraction(doc: dict[str, Any], limit: int | None) -> float | None:
     """min(1, B_pc / KV) with the B_pc the daemon computed at this limit (Dual-Blade runs)."""
     kv = doc["workload"]["kv_bytes"]
-    vals = [get(r, "target.plan.budget_bytes") for r in ok_runs(doc, "sweep", "dualblade")
+    vals = [get(r, "target.plan.budget_bytes") for r in study_runs(doc, "sweep", "dualblade")
             if r["limit_bytes"] == limit]
     vals = [v for v in vals if v is not None]
     if not vals:
@@ -137,17 +136,18 @@ def fits_fraction(doc: dict[str, Any], limit: int | None) -> float | None:
 
 def group1_fraction(doc: dict[str, Any], limit: int | None) -> float | None:
     kv = doc["workload"]["kv_bytes"]
-    vals = [get(r, "target.plan.group1_bytes") for r in ok_runs(doc, "sweep", "dualblade")
+    vals = [get(r, "target.plan.group1_bytes") for r in study_runs(doc, "sweep", "dualblade")
             if r["limit_bytes"] == limit]
     vals = [v for v in vals if v is not None]
     return min(1.0, statistics.median(vals) / kv) if vals else None
 
 
-def paired(doc: dict[str, Any], study: str, a: str, b: str | Callable[[dict[str, dict[str, Any]]], float | None],
-           field: str = "decode_s", pipeline: str | None = None) -> dict[Any, list[float]]:
+def paired_by_limit(doc: dict[str, Any], study: str, a: str,
+                    b: str | Callable[[dict[str, dict[str, Any]]], float | None], field: str = "decode_s",
+                    pipeline: str | None = None) -> dict[Any, list[float]]:
     """Per limit: ratios a/b of runs from the same round (same repetition and limit)."""
     out: dict[Any, list[float]] = {}
-    runs = [r for r in ok_runs(doc, study) if pipeline is None or r["pipeline"] == pipeline]
+    runs = [r for r in study_runs(doc, study) if pipeline is None or r["pipeline"] == pipeline]
     by_round = stats.paired(runs, a, b, name=lambda r: r["config"], group=lambda r: (r.get("round"), r["limit_bytes"]),
                             value=lambda r: get(r, field))
     for (_rnd, lim), xs in by_round.items():
@@ -186,7 +186,7 @@ def _save(plt: Any, fig: Any, path: str) -> None:
 
 def plot_fig3(doc: dict[str, Any], path: str) -> None:
     plt = _plt()
-    runs = by_key(ok_runs(doc, "sweep", "baseline"), lambda r: r["limit_bytes"])
+    runs = by_key(study_runs(doc, "sweep", "baseline"), lambda r: r["limit_bytes"])
     xs = [lim / GiB for lim in runs if lim]
     rs = [runs[lim] for lim in runs if lim]
     kv = doc["workload"]["kv_bytes"] / GiB
@@ -226,7 +226,7 @@ def plot_fig10(doc: dict[str, Any], path: str) -> None:
     for ax, field, title in ((axes[0], "prefill_s", "(a) prefill latency"), (axes[1], "decode_s",
                                                                              "(b) decode latency")):
         for cfg in CONFIGS:
-            runs = by_key(ok_runs(doc, "sweep", cfg), lambda r: r["limit_bytes"])
+            runs = by_key(study_runs(doc, "sweep", cfg), lambda r: r["limit_bytes"])
             lims = [lim for lim in runs if lim]
             _errbar(ax, [lim / GiB for lim in lims], [med(runs[lim], field) for lim in lims], cfg)
         ax.axvline(kv, ls=":", color="gray")
@@ -243,7 +243,7 @@ def plot_fig11(doc: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     lims_all: list[int] = []
     for cfg in CONFIGS:
-        runs = by_key(ok_runs(doc, "sweep", cfg), lambda r: r["limit_bytes"])
+        runs = by_key(study_runs(doc, "sweep", cfg), lambda r: r["limit_bytes"])
         lims = [lim for lim in runs if lim]
         lims_all = sorted(set(lims_all) | set(lims))
         _errbar(ax, [lim / GiB for lim in lims], [med(runs[lim], "hit_ratio") for lim in lims], cfg, 100.0)
@@ -275,7 +275,7 @@ def plot_fig12(doc: dict[str, Any], path: str, limit: int | None) -> None:
     fio_w = summarize(get(x, "fio.write_GBps") for x in doc["rounds"])
     fio_r = summarize(get(x, "fio.read_GBps") for x in doc["rounds"])
     for cfg in CONFIGS:
-        r = representative([x for x in ok_runs(doc, "sweep", cfg) if x["limit_bytes"] == limit])
+        r = representative([x for x in study_runs(doc, "sweep", cfg) if x["limit_bytes"] == limit])
         if r is None:
             continue
         s = r["series"]
@@ -301,7 +301,7 @@ def plot_fig12(doc: dict[str, Any], path: str, limit: int | None) -> None:
 
 def plot_table5(doc: dict[str, Any], path: str) -> None:
     plt = _plt()
-    runs = ok_runs(doc, "alpha")
+    runs = study_runs(doc, "alpha")
     if not runs:
         return
     alphas = sorted({r["alpha"] for r in runs})
@@ -347,12 +347,12 @@ def _verdict(ok: bool | None) -> str:
 
 def sweep_limits(doc: dict[str, Any]) -> list[int]:
     """The memory limits of the main sweep, lowest first (no unlimited point)."""
-    return sorted({r["limit_bytes"] for r in ok_runs(doc, "sweep") if r["limit_bytes"]})
+    return sorted({r["limit_bytes"] for r in study_runs(doc, "sweep") if r["limit_bytes"]})
 
 
 def _cell(doc: dict[str, Any], cfg: str, lim: int, field: str, digits: int = 2, scale: float = 1.0) -> str:
     """``median [min-max]`` of ``field`` over the main sweep's runs of ``cfg`` at ``lim``."""
-    rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
+    rs = [r for r in study_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
     return fmt(med(rs, field), digits, scale)
 
 
@@ -364,8 +364,8 @@ def header_lines(doc: dict[str, Any], title: str) -> list[str]:
     fio_w = summarize(get(x, "fio.write_GBps") for x in doc["rounds"])
     pc = summarize(get(x, "pagecache.GBps") for x in doc["rounds"])
     nerr = sum(1 for r in doc["runs"] if "error" in r)
-    verr = sum(get(r, "verify.errors") or 0 for r in ok_runs(doc))
-    vchk = sum(get(r, "verify.checked") or 0 for r in ok_runs(doc))
+    verr = sum(get(r, "verify.errors") or 0 for r in study_runs(doc))
+    vchk = sum(get(r, "verify.checked") or 0 for r in study_runs(doc))
     L: list[str] = [f"# {title}", ""]
     L.append(f"Source: {', '.join('`' + s + '`' for s in doc.get('sources', []))} "
              f"(schema `{doc.get('schema')}`), started {doc['date']}, wall time "
@@ -404,7 +404,7 @@ def latency_lines(doc: dict[str, Any], lims: list[int], png: Callable[[str], str
     for field, name in (("prefill_s", "Prefill latency (s)"), ("decode_s", "Decode latency (s)")):
         rows = []
         for lim in lims:
-            bpc = med([r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim],
+            bpc = med([r for r in study_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim],
                       "target.plan.budget_bytes")
             rows.append([gib(lim), fmt(bpc, 2, 1 / GiB, spread=False)]
                         + [_cell(doc, c, lim, field) for c in CONFIGS])
@@ -424,9 +424,9 @@ def hit_ratio_lines(doc: dict[str, Any], lims: list[int], png: Callable[[str], s
     rows = []
     for lim in lims:
         f, g1 = fits_fraction(doc, lim), group1_fraction(doc, lim)
-        bl_pc = med([r for r in ok_runs(doc, "sweep", "baseline") if r["limit_bytes"] == lim],
+        bl_pc = med([r for r in study_runs(doc, "sweep", "baseline") if r["limit_bytes"] == lim],
                     "cgroup.page_cache_decode_median")
-        dbr = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
+        dbr = [r for r in study_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
         rows.append([gib(lim), "-" if f is None else f"{f:.2f}", "-" if g1 is None else f"{g1:.2f}"]
                     + [_cell(doc, c, lim, "hit_ratio", 3) for c in CONFIGS]
                     + [fmt(med(dbr, "target_end.session.demoted_kpus"), 0, spread=False),
@@ -441,9 +441,9 @@ def hit_ratio_lines(doc: dict[str, Any], lims: list[int], png: Callable[[str], s
 def decode_targets_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
     """Targets: Dual-Blade decode against T_ideal, the Baseline and the better single path; hit ratio."""
     ideal_rows = []
-    db = by_key(ok_runs(doc, "sweep", "dualblade"), lambda r: r["limit_bytes"])
-    vs_base = paired(doc, "sweep", "dualblade", "baseline")
-    vs_best = paired(doc, "sweep", "dualblade",
+    db = by_key(study_runs(doc, "sweep", "dualblade"), lambda r: r["limit_bytes"])
+    vs_base = paired_by_limit(doc, "sweep", "dualblade", "baseline")
+    vs_best = paired_by_limit(doc, "sweep", "dualblade",
                      lambda c: min((c[k]["decode_s"] for k in ("cachepolicy", "direct") if k in c), default=None))
     for lim in lims:
         rs = db.get(lim, [])
@@ -478,7 +478,7 @@ def direct_throughput_lines(doc: dict[str, Any]) -> list[str]:
     """Targets: NVMe-direct-Only read and write throughput against fio's in the same round."""
     fio_r = summarize(get(x, "fio.read_GBps") for x in doc["rounds"])
     fio_w = summarize(get(x, "fio.write_GBps") for x in doc["rounds"])
-    dr = ok_runs(doc, "sweep", "direct")
+    dr = study_runs(doc, "sweep", "direct")
 
     def dev_ratio(r: dict[str, Any], field: str, op: str) -> float | None:
         dev = bw_dev(doc, r, op)
@@ -503,7 +503,7 @@ def append_latency_lines(doc: dict[str, Any]) -> list[str]:
     bare = get(doc, "reference.bare_uring_write") or {}
     rows = []
     for cfg in CONFIGS:
-        rs = ok_runs(doc, "sweep", cfg)
+        rs = study_runs(doc, "sweep", cfg)
         for path in sorted({k[len("decode_write["):-1] for r in rs for k in r.get("latency", {})
                             if k.startswith("decode_write[")}):
             s = med(rs, f"latency.decode_write[{path}].avg_ms")
@@ -544,7 +544,7 @@ def table4_lines(doc: dict[str, Any], lowest: int | None) -> list[str]:
          "device-wide: other I/O on the machine counts too).", ""]
     rows = []
     for cfg in CONFIGS:
-        rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lowest]
+        rs = [r for r in study_runs(doc, "sweep", cfg) if r["limit_bytes"] == lowest]
         if not rs:
             continue
 
@@ -573,7 +573,7 @@ def fig12_lines(doc: dict[str, Any], lowest: int | None, png: Callable[[str], st
          "busy = Δio_ticks / phase time):", ""]
     rows = []
     for cfg in CONFIGS:
-        rs = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lowest]
+        rs = [r for r in study_runs(doc, "sweep", cfg) if r["limit_bytes"] == lowest]
         if rs:
             rows.append([LABELS[cfg], fmt(med(rs, "disk_phase.prefill.write_GBps")),
                          fmt(med(rs, "disk_phase.prefill.busy"), 0, 100),
@@ -598,7 +598,7 @@ def cpu_lines(doc: dict[str, Any], lims: list[int]) -> list[str]:
 
 def pipeline_lines(doc: dict[str, Any]) -> list[str]:
     """Pipeline parallelism on/off for every configuration (the ``pipeline`` study; nothing without it)."""
-    pp = ok_runs(doc, "pipeline")
+    pp = study_runs(doc, "pipeline")
     if not pp:
         return []
     main_pl = doc["plan"]["points"][0]["pipeline"]
@@ -608,7 +608,7 @@ def pipeline_lines(doc: dict[str, Any]) -> list[str]:
     rows = []
     for lim in sorted({r["limit_bytes"] for r in pp}):
         for cfg in CONFIGS:
-            on = [r for r in ok_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
+            on = [r for r in study_runs(doc, "sweep", cfg) if r["limit_bytes"] == lim]
             off = [r for r in pp if r["config"] == cfg and r["limit_bytes"] == lim]
             if not off:
                 continue
@@ -642,7 +642,7 @@ DIAGNOSTICS = {
 def diagnostic_lines(doc: dict[str, Any], study: str) -> list[str]:
     """One diagnostic study (:data:`DIAGNOSTICS`) against the main sweep's Dual-Blade; nothing without it."""
     name, how = DIAGNOSTICS[study]
-    hr = ok_runs(doc, study)
+    hr = study_runs(doc, study)
     if not hr:
         return []
     L = [f"## Dual-Blade with {name} (diagnostic)", "",
@@ -653,7 +653,7 @@ def diagnostic_lines(doc: dict[str, Any], study: str) -> list[str]:
     rows = []
     for lim in sorted({r["limit_bytes"] for r in hr}):
         h = [r for r in hr if r["limit_bytes"] == lim]
-        base = [r for r in ok_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
+        base = [r for r in study_runs(doc, "sweep", "dualblade") if r["limit_bytes"] == lim]
         bases = {r.get("round"): r for r in base}
         pairs = [r["decode_s"] / bases[r.get("round")]["decode_s"] for r in h if r.get("round") in bases]
         for label, rs in (("as-is", base), (name, h)):
@@ -669,7 +669,7 @@ def diagnostic_lines(doc: dict[str, Any], study: str) -> list[str]:
 
 def table5_lines(doc: dict[str, Any], png: Callable[[str], str]) -> list[str]:
     """Table V: the adaptive pipeline at alpha = B_pc / KV (the ``alpha`` study; nothing without it)."""
-    al = ok_runs(doc, "alpha")
+    al = study_runs(doc, "alpha")
     if not al:
         return []
     L = ["## Adaptive pipeline at alpha = B_pc / KV (Table V)", "",
@@ -791,7 +791,7 @@ def write_report(doc: dict[str, Any], md_path: str, *, png_prefix: str = "kv") -
         ("fig3", plot_fig3), ("fig10", plot_fig10), ("fig11", plot_fig11),
         ("fig12", lambda d, p: plot_fig12(d, p, lims[0] if lims else None)),
     ]
-    if ok_runs(doc, "alpha"):
+    if study_runs(doc, "alpha"):
         plots.append(("table5", plot_table5))
     for name, fn in plots:
         p = os.path.join(out_dir, f"{png_prefix}-{name}.png")
@@ -804,4 +804,4 @@ def write_report(doc: dict[str, Any], md_path: str, *, png_prefix: str = "kv") -
     return files
 
 
-__all__ = ["ideal_ratio", "load", "ok_runs", "render", "t_ideal", "write_report"]
+__all__ = ["ideal_ratio", "load", "render", "study_runs", "t_ideal", "write_report"]

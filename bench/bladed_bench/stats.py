@@ -1,5 +1,5 @@
-"""The studies' statistics, in one place: medians with their spread, ratios paired within a round, the runs
-that ended, sizes on the command line and in tables.
+"""The studies' statistics, in one place: medians with their spread, percentiles and latencies, ratios paired
+within a round, the runs that ended, sizes on the command line and in tables.
 
 Every benchmark repeats its measurements and reports the median with the range (min-max) over the
 repetitions; comparisons are ratios of runs paired in the same round (the same repetition and limit), not
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
+
+from bladed import config as daemon_config
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -40,12 +41,20 @@ def summarize(values: Iterable[float | None], *, keep_values: bool = False,
     return out
 
 
-def median_range(values: Iterable[float | None]) -> dict[str, float] | None:
-    """``{median, min, max, n}`` of the values that are not ``None``; ``None`` if there are none."""
+def median(values: Iterable[float | None], default: Any = None) -> Any:
+    """The median of the values that are not ``None``; ``default`` if there are none."""
+    xs = [x for x in values if x is not None]
+    return statistics.median(xs) if xs else default
+
+
+def median_range(values: Iterable[float | None], *, count: bool = True) -> dict[str, float] | None:
+    """``{median, min, max, n}`` of the values that are not ``None`` (without ``n`` unless ``count``); ``None`` if
+    there are none."""
     xs = [x for x in values if x is not None]
     if not xs:
         return None
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    out = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    return out | {"n": len(xs)} if count else out
 
 
 def fmt(s: dict[str, Any] | None, digits: int = 2, scale: float = 1.0, spread: bool = True) -> str:
@@ -57,6 +66,30 @@ def fmt(s: dict[str, Any] | None, digits: int = 2, scale: float = 1.0, spread: b
     if not spread or s["n"] < 2:
         return f"{m:.{digits}f}"
     return f"{m:.{digits}f} [{s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f}]"
+
+
+# -- percentiles and latencies -------------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (``q`` in 0..100)."""
+    if not values:
+        return None
+    s = sorted(values)
+    if len(s) == 1:
+        return float(s[0])
+    k = (len(s) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (k - lo))
+
+
+def latency_stats(values_s: Sequence[float]) -> dict[str, Any]:
+    """avg / p50 / p99 / max in milliseconds."""
+    if not values_s:
+        return {"n": 0, "avg_ms": None, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    ms = [v * 1e3 for v in values_s]
+    return {"n": len(ms), "avg_ms": statistics.fmean(ms), "p50_ms": percentile(ms, 50),
+            "p99_ms": percentile(ms, 99), "max_ms": max(ms)}
 
 
 # -- runs and pairs ------------------------------------------------------------------------------------------------
@@ -90,29 +123,26 @@ def paired(runs: Iterable[dict[str, Any]], a: str, b: str | Callable[[dict[str, 
 
 # -- sizes ---------------------------------------------------------------------------------------------------------
 
-_WHOLE = re.compile(r"\s*(\d+)\s*([A-Za-z]*)\s*")
-_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
-          "G": GiB, "GB": GiB, "GIB": GiB, "T": TiB, "TB": TiB, "TIB": TiB}
-
-
-def parse_size(text: str, *, fractions: bool = False) -> int:
+def parse_size(text: str, *, fractions: bool = False, unit: int = 1, zero: bool = False) -> int:
     """A size on the command line, in bytes (binary units; ``argparse.ArgumentTypeError`` if it is not one).
 
-    By default a whole positive number with K, M, G or T, with or without B or iB: ``4096``, ``128K``, ``1GiB``.
-    ``fractions`` (the KV sweep's): a number that may have a fraction and K, M or G, zero allowed: ``1.5G``."""
+    By default a whole positive number (``zero``: or 0) with K, M, G, T or P, with or without B or iB, as the
+    daemon's configuration reads it (:func:`bladed.config.parse_size`): ``4096``, ``128K``, ``1GiB``.
+    ``fractions`` (the KV sweep's): a number that may have a fraction and K, M or G, zero allowed: ``1.5G``; a
+    bare number counts in ``unit`` (the copy-limit study's ``--size 1.5``: GiB)."""
     if fractions:
         t = text.strip().upper().removesuffix("B").removesuffix("I")
-        mult = {"K": KiB, "M": MiB, "G": GiB}.get(t[-1:], 1)
+        mult = {"K": KiB, "M": MiB, "G": GiB}.get(t[-1:], unit)
         num = t[:-1] if t[-1:] in "KMG" else t
         try:
             return int(float(num) * mult)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1G, 512M)") from None
-    m = _WHOLE.fullmatch(text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 128K, 1M, 1G)")
-    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value <= 0:
+    try:
+        value = daemon_config.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 128K, 1M, 1G)") from None
+    if value <= 0 and not zero:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return value
 
@@ -125,5 +155,5 @@ def human_size(n: int) -> str:
     return str(n)
 
 
-__all__ = ["GiB", "KiB", "MiB", "TiB", "fmt", "human_size", "median_range", "ok_runs", "paired", "parse_size",
-           "summarize"]
+__all__ = ["GiB", "KiB", "MiB", "TiB", "fmt", "human_size", "latency_stats", "median", "median_range", "ok_runs",
+           "paired", "parse_size", "percentile", "summarize"]

@@ -42,15 +42,14 @@ from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
 from bladed_bench.metrics import (
     DiskSampler,
     block_device_of,
-    latency_stats,
     reported_kib,
     rss_bytes,
-    summarize,
     union_seconds,
     wait_device_idle,
     wait_free_pages_reported,
 )
 from bladed_bench.repo import REPO
+from bladed_bench.stats import latency_stats, median, summarize
 from bladed_bench.workload import (
     LABELS,
     BladedTarget,
@@ -386,8 +385,7 @@ class SweepRunner:
             if cg is not None:
                 cg_samples = [int(v["page_cache"]) for (t, v) in sampler.extra_samples
                               if trace.t_decode_start <= t <= trace.t_end]
-                rec.setdefault("cgroup", {})["page_cache_decode_median"] = \
-                    statistics.median(cg_samples) if cg_samples else None
+                rec.setdefault("cgroup", {})["page_cache_decode_median"] = median(cg_samples)
                 rec["cgroup"]["usage_max"] = max((int(v["usage"]) for _, v in sampler.extra_samples), default=None)
             if keep_series:
                 s = sampler.series(t0)
@@ -447,11 +445,11 @@ def select_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "read_bytes_per_step": statistics.median(r["bytes"]["decode_read"] / steps for r in rs),
                 "dense_read_bytes_per_step": statistics.median(d["bytes"]["decode_read"] / steps
                                                                for _, d in pairs if d is not None),
-                "pages_attended_share": statistics.median(x["pages"] / x["pages_total"] for x in sel) if sel else None,
-                "pages_read_share": statistics.median(x["pages_read"] / x["pages_total"] for x in sel) if sel else None,
-                "requests_per_step": statistics.median(x["requests"] / steps for x in sel) if sel else None,
+                "pages_attended_share": median(x["pages"] / x["pages_total"] for x in sel),
+                "pages_read_share": median(x["pages_read"] / x["pages_total"] for x in sel),
+                "requests_per_step": median(x["requests"] / steps for x in sel),
                 # JSONs before protocol 6 sent one request per run and have no "runs"
-                "runs_per_step": statistics.median(x.get("runs", x["requests"]) / steps for x in sel) if sel else None,
+                "runs_per_step": median(x.get("runs", x["requests"]) / steps for x in sel),
             })
     return out
 

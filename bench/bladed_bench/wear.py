@@ -291,8 +291,8 @@ def align_up_mib(n: int) -> int:
     return (n + MiB - 1) // MiB * MiB
 
 
-def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """The issue's measures from the sides' records."""
+def side_measures(doc: dict[str, Any]) -> dict[str, Any]:
+    """The JSON's ``summary``: the issue's measures from the sides' records (one run a side, no statistics)."""
     by = {r["side"]: r for r in doc["runs"] if "error" not in r}
     out: dict[str, Any] = {}
     for side, r in by.items():
@@ -374,7 +374,7 @@ def run_wear(spec: ChatSpec, sides: list[str], workdir: str, out_path: str | Non
     else:
         for side in sides:
             one(side)
-    doc["summary"] = summarize(doc)
+    doc["summary"] = side_measures(doc)
     if out_path:
         with open(out_path, "w") as f:
             json.dump(doc, f, indent=1)
@@ -413,4 +413,4 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SIDES", "ChatSpec", "markdown", "run_side", "run_wear", "summarize"]
+__all__ = ["SIDES", "ChatSpec", "markdown", "run_side", "run_wear", "side_measures"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from bladed.kvformat import QuantFormat, codec_info, kv_format
+from bladed_bench import stats
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
 
@@ -71,7 +71,11 @@ def timed(call: Callable[[], object], min_time: float) -> tuple[float, int]:
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    """Median, min and max of timings there always are (:func:`bladed_bench.stats.median_range` without the
+    count, as the codec JSONs have them)."""
+    s = stats.median_range(values, count=False)
+    assert s is not None, "no timings"
+    return s
 
 
 def codec_ops(f: QuantFormat, x: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, path: str,

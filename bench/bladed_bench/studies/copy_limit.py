@@ -12,6 +12,7 @@ Usage: tools/bench_copy_limit.py [--size 1G] [--rounds 5] [--out FILE]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 
+from bladed_bench import stats
 from bladed_bench.repo import REPO as ROOT
 
 CHUNK = 32 << 20   # one pread per 32 MiB (a KPU-sized range)
@@ -56,7 +58,7 @@ def mmap_gbps(src: memoryview, dst: memoryview, size: int) -> float:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--size", type=lambda s: int(float(s.rstrip("G")) * (1 << 30)), default=1 << 30,
+    p.add_argument("--size", type=functools.partial(stats.parse_size, fractions=True, unit=stats.GiB), default=1 << 30,
                    help="file size in GiB (default 1G)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default="/var/tmp", help="where the file goes (a disk file system)")

@@ -32,8 +32,8 @@ def sweep_runs(d: dict[str, Any]) -> dict[tuple[str, int, int], dict[str, Any]]:
     return out
 
 
-def paired(runs: dict, a: str, b: Any, limit: int, field: str) -> list[float]:
-    """Ratios a/b per repetition; b may be a config name or a callable(rep) -> value."""
+def paired_at(runs: dict, a: str, b: Any, limit: int, field: str) -> list[float]:
+    """At ``limit``: ratios a/b per repetition; b may be a config name or a callable(rep) -> value."""
     den = (lambda by: b(by[a]["rep"])) if callable(b) else b
     by_rep = stats.paired([r for (_, lim, _), r in runs.items() if lim == limit], a, den, name=lambda r: r["config"],
                           group=lambda r: r["rep"], value=lambda r: r[field])
@@ -45,10 +45,6 @@ def ratio_of_medians(runs: dict, a: str, b: str, limit: int, field: str) -> str:
     xa = [r[field] for (c, lim, _), r in runs.items() if c == a and lim == limit]
     xb = [r[field] for (c, lim, _), r in runs.items() if c == b and lim == limit]
     return f"{statistics.median(xa) / statistics.median(xb):.2f}" if xa and xb else "-"
-
-
-def med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f}" if xs else "-"
 
 
 def ideal(d: dict[str, Any], runs: dict, limit: int, rep: int) -> float | None:
@@ -82,7 +78,8 @@ def table(d: dict[str, Any]) -> dict[str, str]:
     for lim in limits:
         def t_ideal(rep: int, lim: int = lim) -> float | None:
             return ideal(d, runs, lim, rep)
-        parts.append(f"{lim / GiB:.1f}: {med(paired(runs, 'dualblade', t_ideal, lim, 'decode_s'))}")
+        over_ideal = stats.median_range(paired_at(runs, "dualblade", t_ideal, lim, "decode_s"))
+        parts.append(f"{lim / GiB:.1f}: {stats.fmt(over_ideal, spread=False)}")
     row["decode DB/T_ideal"] = " / ".join(parts)
     bare = d.get("reference", {}).get("bare_uring_write", {}).get("avg_ms")
     for path in ("direct",):

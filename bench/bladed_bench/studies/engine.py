@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +63,6 @@ SCHEMA = "bladed.bench_engine/1"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_TARGET_RATIO = 0.95
 FILE_NAME = "bench-engine.img"
-
-
-# --------------------------------------------------------------- helpers --
-
-def summarize(values: Sequence[float]) -> dict[str, Any]:
-    """Median, min, max and relative spread ((max - min) / median) of MB/s values, the values kept."""
-    return stats.summarize(values, keep_values=True, skip_missing=False)
 
 
 # ----------------------------------------------------------- environment --
@@ -455,10 +448,6 @@ def tool_order(tools: list[str], rep: int, order: str) -> list[str]:
 
 # --------------------------------------------------------------- results --
 
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 def build_rows(runs: list[dict[str, Any]], targets: list[dict[str, Any]], ops: list[str], commands: list[int],
                tools: list[str], queue_depth: int, target_ratio: float) -> list[dict[str, Any]]:
     """Per (target, op, command size): summaries of every tool and the engine/fio ratio."""
@@ -471,24 +460,24 @@ def build_rows(runs: list[dict[str, Any]], targets: list[dict[str, Any]], ops: l
                 for tool in tools:
                     rs = [r for r in mine if r["tool"] == tool]
                     per_tool[tool] = {
-                        "mb_s": summarize([r["mb_s"] for r in rs]),
-                        "cpu_pct_median": _median([r["cpu_pct"] for r in rs]),
+                        # the MB/s as measured, the values kept
+                        "mb_s": stats.summarize([r["mb_s"] for r in rs], keep_values=True, skip_missing=False),
+                        "cpu_pct_median": stats.median([r["cpu_pct"] for r in rs]),
                         # CPU of the submitting process per command (I/O worker threads included)
-                        "cpu_us_per_command_median": _median(
+                        "cpu_us_per_command_median": stats.median(
                             [r["cpu_pct"] / 100 * r["seconds"] / (r["bytes"] // c) * 1e6 for r in rs]),
-                        "device_requests_median": _median([r["disk"]["requests"] for r in rs if r["disk"]]),
-                        "device_busy_mb_s_median": _median([r["disk"]["busy_mb_s"] for r in rs
-                                                            if r["disk"] and r["disk"].get("busy_mb_s")]),
+                        "device_requests_median": stats.median([r["disk"]["requests"] for r in rs if r["disk"]]),
+                        "device_busy_mb_s_median": stats.median([r["disk"]["busy_mb_s"] for r in rs
+                                                                 if r["disk"] and r["disk"].get("busy_mb_s")]),
                         "runs_not_reaching_device": sum(1 for r in rs if r["disk"] and not r["disk"]["reached_device"]),
                     }
                 fio_med = per_tool["fio"]["mb_s"]["median"]
                 for tool in tools:
                     med = per_tool[tool]["mb_s"]["median"]
                     per_tool[tool]["ratio_to_fio"] = med / fio_med if med and fio_med else None
-                pairs: dict[int, dict[str, float]] = {}
-                for r in mine:
-                    pairs.setdefault(r["rep"], {})[r["tool"]] = r["mb_s"]
-                paired = [p["engine"] / p["fio"] for p in pairs.values() if "engine" in p and "fio" in p]
+                by_rep = stats.paired(mine, "engine", "fio", name=lambda r: r["tool"], group=lambda r: r["rep"],
+                                      value=lambda r: r["mb_s"])
+                paired = [x for xs in by_rep.values() for x in xs]
                 ratio = per_tool["engine"]["ratio_to_fio"]
                 rows.append({
                     "target": t["kind"],
@@ -499,7 +488,8 @@ def build_rows(runs: list[dict[str, Any]], targets: list[dict[str, Any]], ops: l
                     "engine_mb_s": per_tool["engine"]["mb_s"],
                     "fio_mb_s": per_tool["fio"]["mb_s"],
                     "ratio": ratio,                               # engine median / fio median
-                    "paired_ratio": summarize(paired),            # engine/fio within each repetition
+                    # engine/fio within each repetition
+                    "paired_ratio": stats.summarize(paired, keep_values=True, skip_missing=False),
                     "meets_target": ratio is not None and ratio >= target_ratio,
                     "tools": per_tool,
                 })

@@ -61,6 +61,7 @@ from bladed.kvselect import (
 )
 from bladed.runner.models import DecoderModel
 from bladed.runner.weights import load_model
+from bladed_bench import stats
 from bladed_bench.repo import REPO
 
 ROOT = pathlib.Path(REPO)  # the checkout
@@ -405,7 +406,7 @@ def load_cost(model: DecoderModel, ids: list[int], tokens: int, reps: int = 7) -
                 out[f"{name}_bytes"] = state.nbytes()
             times[name].append(time.perf_counter() - t0)
     for name, xs in times.items():
-        out[f"{name}_s"] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        out[f"{name}_s"] = stats.median_range(xs, count=False)
     out["keys_over_prefill"] = out["keys_s"]["median"] / out["prefill_s"]["median"]
     out["quest_over_prefill"] = out["quest_s"]["median"] / out["prefill_s"]["median"]
     return out

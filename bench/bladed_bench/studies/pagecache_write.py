@@ -31,12 +31,12 @@ import argparse
 import contextlib
 import ctypes
 import datetime as dt
+import functools
 import json
 import mmap
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +44,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bladed.config import parse_size
 from bladed_bench import stats
 from bladed_bench.cgroup import MemCgroup, drop_caches
 from bladed_bench.environment import git_info, machine_info
@@ -257,12 +256,17 @@ def one_run(config: str, rep: int, a: argparse.Namespace, sysdir: str | None) ->
     return rec
 
 
-def summarize(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
+def config_summary(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
+    """The JSON's ``summary``: per configuration the median [min-max] seconds and the median GB/s; the daemon's
+    time over each other configuration's, paired by repetition."""
     by = {c: [r for r in runs if r["config"] == c] for c in configs}
-    out: dict[str, Any] = {c: {"median_s": statistics.median(r["seconds"] for r in rs),
-                               "min_s": min(r["seconds"] for r in rs), "max_s": max(r["seconds"] for r in rs),
-                               "median_GBps": statistics.median(r["GBps"] for r in rs)}
-                           for c, rs in by.items() if rs}
+    out: dict[str, Any] = {}
+    for c, rs in by.items():
+        if rs:
+            s = stats.median_range(r["seconds"] for r in rs)
+            assert s is not None
+            out[c] = {"median_s": s["median"], "min_s": s["min"], "max_s": s["max"],
+                      "median_GBps": stats.median(r["GBps"] for r in rs)}
     if "daemon" in by:
         for other in configs:
             if other == "daemon" or not by.get(other):
@@ -271,7 +275,7 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
             by_rep = stats.paired(by["daemon"] + by[other], "daemon", other, name=lambda r: r["config"],
                                   group=lambda r: r["rep"], value=lambda r: r["seconds"])
             pairs = [x for xs in by_rep.values() for x in xs]
-            out[f"daemon_over_{other}"] = {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs)}
+            out[f"daemon_over_{other}"] = stats.median_range(pairs, count=False)
         faster = min((c for c in configs if c != "daemon" and c in out), key=lambda c: out[c]["median_s"],
                      default=None)
         if faster is not None:
@@ -281,10 +285,11 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--total", type=parse_size, default=2 << 30)
-    p.add_argument("--kpu", type=parse_size, default=32 << 20)
+    p.add_argument("--total", type=stats.parse_size, default=2 << 30)
+    p.add_argument("--kpu", type=stats.parse_size, default=32 << 20)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--limit", type=parse_size, default=3 << 30, help="the memory cgroup's limit (0: none)")
+    p.add_argument("--limit", type=functools.partial(stats.parse_size, zero=True), default=3 << 30,
+                   help="the memory cgroup's limit (0: none)")
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--perf", default=None, help="keep perf.data files here and the top symbols in the JSON")
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             doc["runs"].append(rec)
             print(f"rep {rep} {config:6s} {rec['seconds']:.3f} s  {rec['GBps']:.2f} GB/s", file=sys.stderr, flush=True)
     doc["wall_s"] = time.perf_counter() - t0
-    doc["summary"] = summarize(doc["runs"], configs)
+    doc["summary"] = config_summary(doc["runs"], configs)
     text = json.dumps(doc, indent=1, default=str)
     if a.out:
         with open(a.out, "w") as f:

@@ -22,10 +22,10 @@ Usage: tools/bench_prefix.py [--repeats 5] [--out FILE] [--dir DIR]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +38,7 @@ from bladed.client import Client, PrefixKey
 from bladed.kvstore import BladedKV, Geometry, KVBackend
 from bladed.runner.generation import GenerationResult, Policy, Runner
 from bladed.runner.weights import LoadedModel, load_model
+from bladed_bench import stats
 from bladed_bench.environment import filesystem_of, git_info, machine_info
 from bladed_bench.redis_server import RedisServer
 from bladed_bench.repo import REPO as ROOT
@@ -122,8 +123,8 @@ def document(b: Bench, doc: str, requests: int, reuse: bool) -> list[dict[str, A
             for q in QUESTIONS[:requests]]
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+#: the median of the values, NaN for none (as the JSONs have it)
+median = functools.partial(stats.median, default=float("nan"))
 
 
 def alternated(repeats: int, run: Callable[[bool], list[dict[str, Any]]], name: str) -> dict[str, list[Any]]:

@@ -104,9 +104,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             daemon.stop()
     requests = {"pipelined": sum(len(r) for r in per_kpu), "one_request": a.kpus, "dense": a.kpus}
 
-    def med(xs: list[float]) -> dict[str, float] | None:
-        return stats.median_range(xs)
-
     pairs = {"pipelined/one_request": [x / y for x, y in zip(results["pipelined"], results["one_request"],
                                                               strict=True)],
              "pipelined/dense": [x / y for x, y in zip(results["pipelined"], results["dense"], strict=True)],
@@ -116,8 +113,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "machine": machine_info(), "path": a.path, "shape": a.shape, "geometry": geometry, "kpus": a.kpus, "page": page,
         "past_tokens": ntok, "trace": {k: trace.get(k) for k in ("spec", "model", "text")},
         "bytes_per_step": moved, "requests_per_step": requests, "rounds": a.rounds, "order": "ABC, CBA, ...",
-        "seconds_per_step": {k: med(v) for k, v in results.items()},
-        "ratios": {k: med(v) for k, v in pairs.items()},
+        "seconds_per_step": {k: stats.median_range(v) for k, v in results.items()},
+        "ratios": {k: stats.median_range(v) for k, v in pairs.items()},
         "per_request_overhead_s": (statistics.median(results["pipelined"]) - statistics.median(
             results["one_request"])) / max(1, requests["pipelined"] - requests["one_request"]),
         "raw": results,

@@ -28,6 +28,7 @@ from typing import IO, Any
 from bladed.client import Client
 from bladed.runner.weights import smollm2_dir
 from bladed.spawn import PrivateDaemon
+from bladed_bench import stats
 from bladed_bench.environment import filesystem_of, git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
 
@@ -108,8 +109,9 @@ def settle(eng: Engine, daemon: Daemon, want: int) -> None:
     raise RuntimeError("the engine's stores did not finish in 120 s")
 
 
-def summary(xs: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": xs}
+def ttft_summary(xs: list[float]) -> dict[str, Any]:
+    """:func:`~bladed_bench.stats.median_range` of the TTFTs, the values kept."""
+    return {**(stats.median_range(xs) or {}), "values": xs}
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             eng.step("reset")
             loaded = eng.step("gen")
             res["reset_prefix_cache"] = {
-                "ttft_recomputed_s": summary(rec), "ttft_bladed_s": summary(hit), "ttft_vllm_own_cache_s": summary(own),
+                "ttft_recomputed_s": ttft_summary(rec), "ttft_bladed_s": ttft_summary(hit),
+                "ttft_vllm_own_cache_s": ttft_summary(own),
                 "ratio_pairs": [h / r for h, r in zip(hit, rec, strict=True)],
                 "ratio_median": statistics.median(h / r for h, r in zip(hit, rec, strict=True)),
                 "output_identical": loaded["tokens"] == cold["tokens"], "cached_tokens": loaded["cached"]}
