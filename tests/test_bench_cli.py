@@ -174,3 +174,44 @@ def test_parse_size_both_ways() -> None:
     assert stats.parse_size("512M", fractions=True, unit=stats.GiB) == 512 << 20
     assert stats.parse_size("0", zero=True) == 0 and stats.parse_size("3G", zero=True) == 3 << 30
     assert [stats.human_size(n) for n in (128 << 10, 1 << 20, 1 << 30, 1000)] == ["128K", "1M", "1G", "1000"]
+
+
+# -- bladed_bench.trials -------------------------------------------------------------------------------------------
+
+def test_williams_rows_put_every_point_in_every_position_and_after_every_other() -> None:
+    from bladed_bench import trials
+
+    for n in (2, 4, 6):
+        rows = [trials.williams(n, rep) for rep in range(n)]
+        assert all(sorted(r) == list(range(n)) for r in rows)
+        assert all(sorted(r[i] for r in rows) == list(range(n)) for i in range(n))     # every position once
+        follows = {(r[i], r[i + 1]) for r in rows for i in range(n - 1)}
+        assert len(follows) == n * (n - 1)                                            # every successor once
+    assert trials.williams(1, 3) == [0] and trials.williams(0, 0) == []
+
+
+def test_abba_and_rotation() -> None:
+    from bladed_bench import trials
+
+    assert [trials.abba(("a", "b"), rep) for rep in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert [trials.rotated(["a", "b", "c"], rep) for rep in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert trials.rotated([], 1) == []
+
+
+def test_the_envelope(tmp_path: pathlib.Path) -> None:
+    import json
+
+    from bladed_bench import trials
+
+    m = trials.machine(str(tmp_path), ("bench",))
+    assert {"cpu_model", "kernel", "loadavg_start", "disk", "filesystem", "git_commit", "git_dirty",
+            "free_page_reporting"} <= set(m)
+    bare = trials.machine(None, ("bench",))
+    assert "git_commit" in bare and not {"disk", "filesystem", "free_page_reporting"} & set(bare)
+    trials.loadavg_end(m)
+    assert m["loadavg_end"]
+    out = tmp_path / "doc.json"
+    trials.write_json(str(out), {"machine": m}, newline=True)
+    assert out.read_text().endswith("}\n") and json.loads(out.read_text())["machine"] == m
+    assert not (tmp_path / "doc.json.tmp").exists()

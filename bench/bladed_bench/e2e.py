@@ -46,18 +46,16 @@ from typing import Any
 
 from bladed.config import BudgetConfig
 from bladed.sizes import PAGE_SIZE, align_up
-from bladed_bench import environment, stats
+from bladed_bench import stats, trials
 from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
 from bladed_bench.metrics import (
     DiskSampler,
     DiskStat,
     block_device_of,
-    reported_kib,
     wait_device_idle,
     wait_free_pages_reported,
 )
 from bladed_bench.repo import REPO, repo_env
-from bladed_bench.sweep import balanced_order
 from bladed_bench.workload import BenchDaemon
 
 SCHEMA = "bladed.bench_e2e/1"
@@ -468,15 +466,6 @@ def evict_files(top: str) -> float:
     return time.perf_counter() - t0
 
 
-def machine(workdir: str) -> dict[str, Any]:
-    git = environment.git_info(REPO, ("bladed", "cffi_build", "bench", "tools"))
-    sysdir = block_device_of(workdir)
-    return environment.machine_info() | {
-        "disk": environment.disk_info(sysdir), "filesystem": environment.filesystem_of(workdir),
-        "git_commit": git["commit"], "git_dirty": git["dirty"], "free_page_reporting": reported_kib() is not None,
-    }
-
-
 def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The sweep (module doc): a warm-up run for the KV set's size and the reference tokens, then ``reps``
     repetitions of every side at every limit; the JSON is rewritten after every run."""
@@ -486,7 +475,8 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
     say = progress or (lambda _m: None)
     doc: dict[str, Any] = {
         "schema": SCHEMA, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(plan.workdir), "workload": dataclasses.asdict(plan.workload),
+        "machine": trials.machine(plan.workdir, ("bladed", "cffi_build", "bench", "tools")),
+        "workload": dataclasses.asdict(plan.workload),
         "plan": {"sides": plan.sides, "fractions": plan.fractions, "reps": plan.reps, "workdir": plan.workdir,
                  "cold_runs": runner.drop_ok, "cgroups": runner.cgroups, "settle": plan.settle,
                  "order": "williams", "notes": plan.notes, "drop_scope": plan.drop_scope,
@@ -498,11 +488,8 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
     def save() -> None:
         if out_path is None:
             return
-        tmp = out_path + ".tmp"
-        with lock, open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, out_path)
+        with lock:
+            trials.write_json(out_path, doc, newline=True)
 
     t_begin = time.perf_counter()
     say("warm-up: memory side (model conversion, KV set size, reference tokens)")
@@ -529,10 +516,10 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
     longest = time.perf_counter() - t_begin       # a run's length, until one has been timed: the warm-up's
     t_start = time.perf_counter()
     for rep in range(plan.reps):
-        order = limits if rep % 2 == 0 else list(reversed(limits))
+        order = trials.abba(limits, rep)
         for ri, limit in enumerate(order):
             frac = plan.fractions[limits.index(limit)]
-            for si in balanced_order(len(plan.sides), rep * len(limits) + ri):
+            for si in trials.williams(len(plan.sides), rep * len(limits) + ri):
                 side = plan.sides[si]
                 if plan.budget_s is not None and time.perf_counter() - t_begin + longest > plan.budget_s:
                     budget["stopped"] = True
@@ -560,7 +547,7 @@ def run_e2e(plan: E2EPlan, out_path: str | None, progress: Callable[[str], None]
         if budget["stopped"]:
             break
     doc["wall_s"] = round(time.perf_counter() - t_start, 1)
-    doc["machine"]["loadavg_end"] = environment.read_text("/proc/loadavg")
+    trials.loadavg_end(doc["machine"])
     doc["summary"] = summary_by_limit(doc)
     save()
     return doc

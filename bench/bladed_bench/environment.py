@@ -1,7 +1,7 @@
 """What a benchmark records about the machine it ran on: CPU, memory, OS, kernel,
 the filesystem and block device under the data, the git commit.
 
-Shared by the KV sweep (:mod:`bladed_bench.sweep`) and ``tools/bench_engine.py``.
+Shared by every study; :mod:`bladed_bench.trials` puts it in the JSON's envelope.
 """
 
 from __future__ import annotations
@@ -39,22 +39,25 @@ def os_release() -> str | None:
     return None
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``), or None."""
+    for line in (read_text("/proc/cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def machine_info() -> dict[str, Any]:
     """CPU, memory, virtualisation, OS, kernel, Python and the load average now."""
-    cpu_model = None
-    hypervisor = False
-    for line in (read_text("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name") and cpu_model is None:
-            cpu_model = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and " hypervisor" in line:
-            hypervisor = True
+    hypervisor = any(line.startswith("flags") and " hypervisor" in line
+                     for line in (read_text("/proc/cpuinfo") or "").splitlines())
     mem_total = None
     for line in (read_text("/proc/meminfo") or "").splitlines():
         if line.startswith("MemTotal:"):
             mem_total = int(line.split()[1]) * 1024
     return {
         "hostname": socket.gethostname(),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "memory_bytes": mem_total,
@@ -115,4 +118,4 @@ def git_info(repo: str, paths: Sequence[str] = ()) -> dict[str, Any]:
     return {"commit": commit or None, "dirty": bool(status) if status is not None else None}
 
 
-__all__ = ["disk_info", "filesystem_of", "git_info", "machine_info", "os_release", "read_text", "run_text"]
+__all__ = ["cpu_model", "disk_info", "filesystem_of", "git_info", "machine_info", "os_release", "read_text", "run_text"]

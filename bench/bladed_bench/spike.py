@@ -43,6 +43,7 @@ import numpy as np
 from bladed.residency.cgroups import locate_memory_cgroup
 from bladed.residency.geometry import Geometry, tensor_id
 from bladed.spawn import cgroup_launcher
+from bladed_bench import trials
 from bladed_bench.cgroup import read_file, write_file
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.repo import REPO, repo_env
@@ -341,12 +342,12 @@ def run_spike(spec: SpikeSpec, out_path: str | None, workdir: str = "/var/tmp/bl
                 for backing in spec.backings:
                     doc["cases"].append(run_case(spec, placement, rate, backing, workdir, say) | {"rep": rep})
                     if out_path:
-                        _save(doc, out_path)
+                        trials.write_json(out_path, doc)
     if spec.idle_s:
         doc["idle"] = run_idle(spec.backings, spec.idle_s, workdir, say)
     doc["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     if out_path:
-        _save(doc, out_path)
+        trials.write_json(out_path, doc)
     return doc
 
 
@@ -406,7 +407,7 @@ def demotion_rate(checkouts: list[str], pairs: int, workdir: str, say: Callable[
     ``replan`` event to the last ``kpu_demoted``."""
     out: list[dict[str, Any]] = []
     for rep in range(pairs):
-        for repo in (checkouts if rep % 2 == 0 else list(reversed(checkouts))):
+        for repo in trials.abba(checkouts, rep):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.dirname(os.path.dirname(__file__))]))
             r = subprocess.run([sys.executable, "-m", "bladed_bench.spike", "demotion-one", repo, workdir],
                                env=env, cwd=repo, capture_output=True, text=True, timeout=600)
@@ -458,13 +459,6 @@ def demotion_one(repo: str, workdir: str) -> dict[str, Any]:
     took = stamps["kpu_demoted"][-1] - stamps["replan"][0]
     return {"demoted_bytes": demoted, "seconds": took, "first_kpu_s": stamps["kpu_demoted"][0] - stamps["replan"][0],
             "bytes_per_s": demoted / took}
-
-
-def _save(doc: dict[str, Any], path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -537,7 +531,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "runs": demotion_rate(a.demotion_rate.split(","), a.repeat, "/var/tmp/bladed-spike",
                                      lambda m: print(m, file=sys.stderr, flush=True))}
-        _save(doc, out)
+        trials.write_json(out, doc)
         print(f"JSON: {out}", file=sys.stderr)
         return 0
     if a.idle_only:

@@ -5,7 +5,7 @@ Table V a fixed page-cache budget).  Points that share a limit form a
 *round*; every repetition visits every round, and a round starts with its
 reference measurements (fio's sequential write and read of the same
 filesystem, the resident page-cache read bandwidth) followed by its runs in
-the order of one row of a Williams Latin square (:func:`balanced_order`):
+the order of one row of a Williams Latin square (:func:`bladed_bench.trials.williams`):
 every configuration runs in every position and after every other one, so
 what a run leaves behind does not always land on the same successor.  Rounds
 are visited forwards in even repetitions and backwards in odd ones, so slow
@@ -25,7 +25,6 @@ the workload, and teardown.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import shutil
 import statistics
@@ -37,18 +36,16 @@ from typing import Any
 
 from bladed.residency.damon import pageout_schemes
 from bladed.sizes import PAGE_SIZE, align_up
-from bladed_bench import codec, environment, probes
+from bladed_bench import codec, probes, trials
 from bladed_bench.cgroup import MemCgroup, can_drop_caches, drop_caches
 from bladed_bench.metrics import (
     DiskSampler,
     block_device_of,
-    reported_kib,
     rss_bytes,
     union_seconds,
     wait_device_idle,
     wait_free_pages_reported,
 )
-from bladed_bench.repo import REPO
 from bladed_bench.stats import latency_stats, median, summarize
 from bladed_bench.workload import (
     LABELS,
@@ -188,14 +185,10 @@ def default_points(configs: list[str], limits: list[int], pipelines: list[str], 
 # -- environment -------------------------------------------------------------------------
 
 def machine_info(workdir: str) -> dict[str, Any]:
-    """The machine, and the filesystem and disk under ``workdir``."""
-    git = environment.git_info(REPO, ("bladed", "cffi_build", "bench"))
-    return environment.machine_info() | {
-        "fio": probes.fio_version(), "disk": environment.disk_info(block_device_of(workdir)),
-        "filesystem": environment.filesystem_of(workdir), "git_commit": git["commit"], "git_dirty": git["dirty"],
-        "free_page_reporting": reported_kib() is not None,
-        "damon_pageout": [s.describe() for s in pageout_schemes()],
-    }
+    """The machine, and the filesystem and disk under ``workdir`` (:func:`bladed_bench.trials.machine`); fio's
+    version and DAMON's page-out schemes."""
+    return trials.machine(workdir, ("bladed", "cffi_build", "bench")) | {
+        "fio": probes.fio_version(), "damon_pageout": [s.describe() for s in pageout_schemes()]}
 
 
 # -- one run -----------------------------------------------------------------------------------
@@ -478,10 +471,8 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
     def save() -> None:
         if out_path is None:
             return
-        tmp = out_path + ".tmp"
-        with lock, open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, default=_json_default)
-        os.replace(tmp, out_path)
+        with lock:
+            trials.write_json(out_path, doc, default=_json_default)
 
     if bare_write:
         d = os.path.join(plan.workdir, "probe")
@@ -492,13 +483,13 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
     lowest = min((p.limit_bytes for p in plan.points if p.study == "sweep" and p.limit_bytes), default=None)
     t_start = time.perf_counter()
     for rep in range(plan.reps):
-        order = rounds if rep % 2 == 0 else list(reversed(rounds))
+        order = trials.abba(rounds, rep)
         for ri, (key, pts) in enumerate(order):
             # the alpha study needs no device ceilings
             rnd = {"rep": rep, "key": list(key), "index": ri,
                    **runner.round_probes(device=any(p.study != "alpha" for p in pts))}
             doc["rounds"].append(rnd)
-            for p in [pts[i] for i in balanced_order(len(pts), rep)]:
+            for p in [pts[i] for i in trials.williams(len(pts), rep)]:
                 if bar is not None:
                     lim = f"{p.limit_bytes / GiB:.2f}G" if p.limit_bytes else "nolimit"
                     bar.set_postfix_str(f"rep {rep + 1}/{plan.reps} {p.study} {p.name}/{p.pipeline} {lim}")
@@ -516,27 +507,9 @@ def run_sweep(plan: SweepPlan, out_path: str | None, *, bar: Any = None,
                 if bar is not None:
                     bar.update(1)
     doc["wall_s"] = time.perf_counter() - t_start
-    doc["machine"]["loadavg_end"] = environment.read_text("/proc/loadavg")
+    trials.loadavg_end(doc["machine"])
     save()
     return doc
-
-
-def balanced_order(n: int, rep: int) -> list[int]:
-    """Row ``rep`` of a Williams Latin square: over n repetitions every point runs once in every position
-    and (n even) directly after every other point once, so what one run leaves behind (writeback, the
-    discards of blocks it freed) does not always land on the same successor."""
-    if n <= 1:
-        return list(range(n))
-    first = [0]
-    lo, hi = 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    row = [(x + rep) % n for x in first]
-    return row if (rep // n) % 2 == 0 else row[::-1]
 
 
 def _json_default(o: Any) -> Any:
@@ -550,7 +523,6 @@ __all__ = [
     "Point",
     "SweepPlan",
     "SweepRunner",
-    "balanced_order",
     "default_points",
     "headroom_override",
     "machine_info",

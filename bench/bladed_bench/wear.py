@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import json
 import os
 import shutil
 import subprocess
@@ -39,9 +38,9 @@ from typing import Any
 from bladed.io.diskstats import BlockStat, block_stat_of
 from bladed.residency.geometry import Geometry
 from bladed.torchdisk import OP_WRITE, TorchDiskClient
-from bladed_bench import environment
+from bladed_bench import environment, trials
 from bladed_bench.cgroup import MemCgroup
-from bladed_bench.repo import REPO, repo_env
+from bladed_bench.repo import repo_env
 from bladed_bench.workload import BenchDaemon
 
 SCHEMA = "bladed.bench_wear/1"
@@ -337,10 +336,9 @@ def run_wear(spec: ChatSpec, sides: list[str], workdir: str, out_path: str | Non
              say: Callable[[str], None] = lambda _m: None, *, parallel: bool = False) -> dict[str, Any]:
     """The workload on every side (one after the other, or all at once with ``parallel``); the JSON doc."""
     os.makedirs(workdir, exist_ok=True)
-    git = environment.git_info(REPO, ("bladed", "cffi_build", "bench", "tools"))
     doc: dict[str, Any] = {
         "schema": SCHEMA, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": environment.machine_info() | {"git_commit": git["commit"], "git_dirty": git["dirty"]},
+        "machine": trials.machine(None, ("bladed", "cffi_build", "bench", "tools")),
         "workload": dataclasses.asdict(spec) | {"max_tokens": spec.max_tokens,
                                                 "session_s": spec.session_seconds,
                                                 "kv_bytes_per_session": 2 * spec.layers * spec.geometry().kpu_bytes},
@@ -360,8 +358,7 @@ def run_wear(spec: ChatSpec, sides: list[str], workdir: str, out_path: str | Non
         with save_lock:
             doc["runs"].append(rec)
             if out_path:
-                with open(out_path, "w") as f:
-                    json.dump(doc, f, indent=1)
+                trials.write_json(out_path, doc)
 
     if parallel:
         # each side on a loop device of its own: what one side makes its device write is not the others'
@@ -376,9 +373,7 @@ def run_wear(spec: ChatSpec, sides: list[str], workdir: str, out_path: str | Non
             one(side)
     doc["summary"] = side_measures(doc)
     if out_path:
-        with open(out_path, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        trials.write_json(out_path, doc, newline=True)
     return doc
 
 

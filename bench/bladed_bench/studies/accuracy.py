@@ -54,6 +54,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from bladed.kvformat import KVFormat, kv_format, q4_params, quantize_q4_
+from bladed_bench import environment
 from bladed_bench.repo import REPO
 
 ROOT = pathlib.Path(REPO)  # the checkout
@@ -327,16 +328,6 @@ def throughput(names: list[str], shapes: dict[str, tuple[int, ...]], reps: int, 
     return res
 
 
-def cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help="comma-separated variants (module doc)")
@@ -426,8 +417,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     result = {
         "tool": "tools/bench_kv_accuracy.py", "utc": stamp, "quick": a.quick,
         "argv": sys.argv[1:] if argv is None else argv,
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads_model": a.threads,
-                    "kernel": platform.release(), "load_average_at_end": list(os.getloadavg()),
+        "machine": {"cpu": environment.cpu_model() or platform.processor() or platform.machine(),
+                    "cores": os.cpu_count(), "torch_threads_model": a.threads, "kernel": platform.release(),
+                    "load_average_at_end": list(os.getloadavg()),
                     "note": "a shared machine: other jobs ran beside this one, so times are not clean"},
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "python": platform.python_version()},

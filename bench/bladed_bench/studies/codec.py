@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from bladed.kvformat import QuantFormat, codec_info, kv_format
-from bladed_bench import stats
+from bladed_bench import stats, trials
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 batch: dict[tuple[str, str], int] = {}
                 for rep in range(args.reps + 1):
                     for op in ("quantize", "dequantize"):
-                        for path in PATHS if rep % 2 == 0 else PATHS[::-1]:
+                        for path in trials.abba(PATHS, rep):
                             s, inner = timed(ops[(path, op)], args.min_time)
                             if rep:                  # the first is the warm-up
                                 runs[(path, op)].append(fp16_bytes / s / 1e9)

@@ -16,7 +16,6 @@ import functools
 import json
 import mmap
 import os
-import pathlib
 import platform
 import statistics
 import sys
@@ -24,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from bladed_bench import stats
+from bladed_bench import environment, stats
 from bladed_bench.repo import REPO as ROOT
 
 CHUNK = 32 << 20   # one pread per 32 MiB (a KPU-sized range)
@@ -92,11 +91,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         dst_map.close()
     medians = {k: statistics.median(row[k] for row in rounds) for k in rounds[0]}
     doc = {"schema": "bladed-copy-limit-1", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": {"cpu_model": next((ln.split(":", 1)[1].strip()
-                                          for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                                          if ln.startswith("model name")), platform.processor()),
+           "machine": {"cpu_model": environment.cpu_model() or platform.processor(),
                        "cpus": os.cpu_count(), "kernel": platform.release(),
-                       "loadavg_end": pathlib.Path("/proc/loadavg").read_text().strip()},
+                       "loadavg_end": environment.read_text("/proc/loadavg")},
            "size_bytes": size, "chunk_bytes": CHUNK, "rounds": rounds, "medians": medians}
     with open(out, "w") as fo:
         json.dump(doc, fo, indent=1)

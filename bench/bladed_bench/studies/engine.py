@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import mmap
@@ -47,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladed_bench import stats
+from bladed_bench import cgroup, stats, trials
 from bladed_bench.environment import (
     disk_info,
     filesystem_of,
@@ -141,16 +142,6 @@ def cached_pages(path: str) -> int | None:
         return int(out[0])
     finally:
         os.close(fd)
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------- targets --
@@ -394,7 +385,8 @@ def measure(fn: Callable[[], dict[str, Any]], target: Target, op_name: str, cfg:
     cache_before = None
     if op_name == "read":
         if cfg.drop_caches:
-            drop_caches()
+            with contextlib.suppress(OSError):     # not root: the read is as warm as it is
+                cgroup.drop_caches()
         cache_before = cached_pages(target.path) if target.kind != "nvme" else None
     sysdir = target.stat_dir()
     d0 = disk_counters(sysdir)
@@ -440,10 +432,7 @@ def prefill(target: Target, cfg: Config, staging: Any) -> dict[str, Any]:
 def tool_order(tools: list[str], rep: int, order: str) -> list[str]:
     """``rotate``: repetition r starts with tool r mod n (E F, F E, ... for two tools),
     so no tool always runs right after another; ``fixed``: always the same order."""
-    if order == "fixed":
-        return list(tools)
-    k = rep % len(tools)
-    return tools[k:] + tools[:k]
+    return list(tools) if order == "fixed" else trials.rotated(tools, rep)
 
 
 # --------------------------------------------------------------- results --
@@ -739,7 +728,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if t.kind == "file" and t.created and not args.keep:
                 os.unlink(t.path)
 
-    machine["loadavg_end"] = read_text("/proc/loadavg")
+    trials.loadavg_end(machine)
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "date": started.isoformat(timespec="seconds"),
@@ -779,9 +768,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     summarize_result(result)
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        trials.write_json(args.json_out, result, newline=True)
         say(f"wrote {args.json_out}")
     if args.markdown is not None:
         md = render_markdown(result)

@@ -40,7 +40,6 @@ import pathlib
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -61,7 +60,7 @@ from bladed.kvselect import (
 )
 from bladed.runner.models import DecoderModel
 from bladed.runner.weights import load_model
-from bladed_bench import stats
+from bladed_bench import environment, stats
 from bladed_bench.repo import REPO
 
 ROOT = pathlib.Path(REPO)  # the checkout
@@ -487,18 +486,10 @@ def summary(text: dict[str, Any], passkey: dict[str, Any] | None) -> dict[str, A
 
 
 def machine() -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"cpu": cpu, "cpus": os.cpu_count(), "kernel": platform.release(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "commit": commit.stdout.strip()}
+    commit = environment.run_text(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or ""
+    return {"cpu": environment.cpu_model() or "", "cpus": os.cpu_count(), "kernel": platform.release(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "commit": commit}
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

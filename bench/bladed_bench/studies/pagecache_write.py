@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bladed_bench import stats
+from bladed_bench import stats, trials
 from bladed_bench.cgroup import MemCgroup, drop_caches
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.metrics import block_device_of, wait_device_idle, wait_free_pages_reported
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                            "machine": machine_info(), "git": git_info(ROOT), "runs": []}
     t0 = time.perf_counter()
     for rep in range(a.reps):
-        order = configs[rep % len(configs):] + configs[:rep % len(configs)]    # rotated every repetition
+        order = trials.rotated(configs, rep)
         for config in order:
             rec = one_run(config, rep, a, sysdir)
             doc["runs"].append(rec)

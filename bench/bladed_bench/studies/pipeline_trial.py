@@ -21,6 +21,7 @@ import tempfile
 from typing import Any
 
 import bladed_bench.workload as workload
+from bladed_bench import trials
 from bladed_bench.repo import REPO
 from bladed_bench.report import ideal_ratio
 from bladed_bench.sweep import Point, SweepPlan, run_sweep
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         for rep in range(a.reps):
             for fmt in a.formats.split(","):
                 for lim in (float(x) for x in a.limits.split(",")):
-                    order = ["old", "new"] if rep % 2 == 0 else ["new", "old"]
+                    order = trials.abba(["old", "new"], rep)
                     for name in order:
                         workload.AdaptivePipeline = variants[name]  # type: ignore[misc]
                         point = Point("sweep", "dualblade", "adaptive", int(lim * GiB),

@@ -38,7 +38,7 @@ from bladed.client import Client, PrefixKey
 from bladed.kvstore import BladedKV, Geometry, KVBackend
 from bladed.runner.generation import GenerationResult, Policy, Runner
 from bladed.runner.weights import LoadedModel, load_model
-from bladed_bench import stats
+from bladed_bench import stats, trials
 from bladed_bench.environment import filesystem_of, git_info, machine_info
 from bladed_bench.redis_server import RedisServer
 from bladed_bench.repo import REPO as ROOT
@@ -131,7 +131,7 @@ def alternated(repeats: int, run: Callable[[bool], list[dict[str, Any]]], name: 
     """``repeats`` rounds of the workload with and without reuse, the first of each round alternating."""
     rounds: dict[str, list[Any]] = {"reuse": [], "plain": []}
     for r in range(repeats):
-        for reuse in ((True, False) if r % 2 == 0 else (False, True)):
+        for reuse in trials.abba((True, False), r):
             t0 = time.perf_counter()
             rows = run(reuse)
             rounds["reuse" if reuse else "plain"].append(rows)
@@ -220,7 +220,7 @@ def shared_run(lm: LoadedModel, base: str, args: argparse.Namespace, device: str
                     if time.monotonic() > deadline:
                         raise SystemExit("daemon A did not publish its blocks within 120 s")
                     time.sleep(0.05)
-                for mode in (("shared", "cold") if rep_i % 2 == 0 else ("cold", "shared")):
+                for mode in trials.abba(("shared", "cold"), rep_i):
                     res = bb.request(ids, mode == "shared", gen_len=2)
                     rows[mode].append(row(res))
                     cb.evict_prefixes()      # what B retained must not serve its next request

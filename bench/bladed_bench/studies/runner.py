@@ -23,6 +23,7 @@ import tempfile
 import time
 from typing import Any
 
+from bladed_bench import trials
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "runs": [],
     }
     for rep in range(1, args.reps + 1):
-        order = sides if rep % 2 else sides[::-1]
+        order = trials.abba(sides, rep - 1)     # repetitions count from 1
         for side in order:
             run = {"side": side, "rep": rep} | run_once(side, args, state_dir)
             doc["runs"].append(run)

@@ -29,7 +29,7 @@ from typing import Any
 from bladed.client import Client
 from bladed.protocol import IOOp, IORange
 from bladed.residency.geometry import tensor_id
-from bladed_bench import stats
+from bladed_bench import stats, trials
 from bladed_bench.environment import machine_info
 from bladed_bench.workload import BenchDaemon, page_runs
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 measures = {"pipelined": pipelined, "one_request": one_request, "dense": dense}
                 moved = {name: fn() for name, fn in measures.items()}     # warm-up, and the bytes
                 for r in range(a.rounds):
-                    names = list(measures) if r % 2 == 0 else list(reversed(measures))
+                    names = trials.abba(measures, r)
                     for name in names:
                         t0 = time.perf_counter()
                         measures[name]()

@@ -28,7 +28,7 @@ from typing import IO, Any
 from bladed.client import Client
 from bladed.runner.weights import smollm2_dir
 from bladed.spawn import PrivateDaemon
-from bladed_bench import stats
+from bladed_bench import stats, trials
 from bladed_bench.environment import filesystem_of, git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             hit: list[float] = []
             own: list[float] = []
             for i in range(a.pairs):
-                for side in (("recompute", "bladed") if i % 2 == 0 else ("bladed", "recompute")):
+                for side in trials.abba(("recompute", "bladed"), i):
                     if side == "recompute":
                         eng.step("evict")               # bladed's blocks and vLLM's own cache gone
                         r = eng.step("ttft")
