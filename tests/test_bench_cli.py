@@ -215,3 +215,14 @@ def test_the_envelope(tmp_path: pathlib.Path) -> None:
     trials.write_json(str(out), {"machine": m}, newline=True)
     assert out.read_text().endswith("}\n") and json.loads(out.read_text())["machine"] == m
     assert not (tmp_path / "doc.json.tmp").exists()
+
+
+# -- the bench daemon's config -------------------------------------------------------------------------------------
+
+def test_a_bench_daemon_setting_bladed_refuses_fails_before_a_daemon_starts(tmp_path: pathlib.Path) -> None:
+    from bladed.config import ConfigError
+    from bladed_bench.workload import BenchDaemon
+
+    with pytest.raises(ConfigError, match=r"unknown key budget\.absorb_rat"):      # the daemon's own message
+        BenchDaemon(str(tmp_path), 64 << 20, extra={"budget": {"absorb_rat": 0}})
+    assert not (tmp_path / "bladed.toml").exists() and not (tmp_path / "bladed.sock").exists()

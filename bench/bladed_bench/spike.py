@@ -394,8 +394,12 @@ def run_idle(backings: tuple[str, ...], idle_s: float, workdir: str, say: Callab
 
 
 def _write_override_config(path: str, override: int) -> None:
-    """A minimal daemon config with a fixed B_pc: every checkout compared reads it (``Config.to_toml`` would name
-    keys an older one does not know)."""
+    """A minimal daemon config with a fixed B_pc, written by hand on purpose (the one bench config that is not
+    ``bladed.config.Config.to_toml``'s, as :class:`bladed_bench.workload.BenchDaemon`'s is): every checkout
+    compared reads it, older ones too. ``to_toml`` writes every key the writing checkout knows, and a daemon
+    refuses a key it does not know; and in :func:`demotion_one`, which runs on the compared checkout's
+    ``bladed``, it would tie this harness to that checkout's config API. Three keys every checkout knows, the
+    rest each checkout's own defaults."""
     with open(path, "w") as f:
         f.write(f'[device]\nsize = {1 << 30}\n[budget]\noverride = {override}\n[log]\nformat = "text"\n')
 

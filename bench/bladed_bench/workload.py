@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from bladed.config import config_from_dict
 from bladed.pipeline import AdaptivePipeline, CopyThreadPool, LoadJob
 from bladed.residency.geometry import Geometry
 from bladed.spawn import PrivateDaemon
@@ -197,11 +198,11 @@ class BenchDaemon:
         for section, keys in (extra or {}).items():
             cfg.setdefault(section, {}).update(keys)
         self.config_path = os.path.join(state_dir, "bladed.toml")
+        # bladed's own model writes the file (every key, as the daemon reads it back): a study's setting the
+        # daemon would refuse fails here, with the daemon's message, before a process starts
+        text = config_from_dict(cfg, state_dir=state_dir).to_toml()
         with open(self.config_path, "w") as f:
-            for section, keys in cfg.items():
-                f.write(f"[{section}]\n")
-                for k, v in keys.items():
-                    f.write(f"{k} = {json.dumps(v)}\n")
+            f.write(text)
         self.socket_path = os.path.join(state_dir, "bladed.sock")
         self.log_path = os.path.join(state_dir, "bladed.log")
         self.daemon = PrivateDaemon(["--config", self.config_path, "--state-dir", state_dir], env=repo_env(),

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from bladed.client import Client
+from bladed.config import config_from_dict
 from bladed.residency import Geometry
 from bladed.spawn import PrivateDaemon
 
@@ -170,7 +171,7 @@ def nvme_phase(dev: str, out: dict[str, Any], failures: list[str]) -> None:
     base = tempfile.mkdtemp(prefix="bd-arm64-nvme-", dir="/tmp")
     log_path = os.path.join(base, "daemon.log")
     with open(os.path.join(base, "bladed.toml"), "w") as f:
-        f.write(f'[device]\nbackend = "nvme"\npath = "{dev}"\n')
+        f.write(config_from_dict({"device": {"backend": "nvme", "path": dev}}, state_dir=base).to_toml())
     daemon = PrivateDaemon(["--config", os.path.join(base, "bladed.toml"), "--state-dir", base],
                            log_path=log_path).start()
     try:

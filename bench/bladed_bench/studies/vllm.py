@@ -26,6 +26,7 @@ import time
 from typing import IO, Any
 
 from bladed.client import Client
+from bladed.config import config_from_dict
 from bladed.runner.weights import smollm2_dir
 from bladed.spawn import PrivateDaemon
 from bladed_bench import stats, trials
@@ -40,8 +41,10 @@ class Daemon:
     def __init__(self, state: str) -> None:
         self.state = state
         self.config = os.path.join(state, "bladed.toml")
+        cfg = config_from_dict({"device": {"size": "2G"}, "blocks": {"max_bytes": "1G", "pagecache_bytes": "64M"}},
+                               state_dir=state)
         with open(self.config, "w") as f:
-            f.write('[device]\nsize = "2G"\n[blocks]\nmax_bytes = "1G"\npagecache_bytes = "64M"\n')
+            f.write(cfg.to_toml())
         self.sock = os.path.join(state, "bladed.sock")
         self.d: PrivateDaemon | None = None
 
