@@ -210,8 +210,21 @@ vm_qemu_wait() {  # vm_qemu_wait TIMEOUT QEMU...
                            wait "$TAILPID" 2>/dev/null; }
     set -e
 }
-# the VM ended without the command's exit status: QEMU's messages and the console's tail on stderr
-vm_show_failure() {
+# the end: exit with the command's exit status (with VERBOSE=1, the harness's vm_done says how long it took
+# first); without one, with 124 after a timeout, else 125, saying TIMEOUT-MESSAGE or ENDED-MESSAGE, with QEMU's
+# messages and the console's tail on stderr
+vm_finish() {  # vm_finish TIMEOUT-MESSAGE ENDED-MESSAGE
+    if [ -s "$CTL/rc" ]; then
+        RC=$(cat "$CTL/rc")
+        [ "$VERBOSE" = 0 ] || vm_done
+        exit "$RC"
+    fi
+    if [ "$QRC" = 124 ] || [ "$QRC" = 137 ]; then
+        "$VM_SAY" "$1"; RC=124
+    else
+        "$VM_SAY" "$2"; RC=125
+    fi
     cat "$RUN/qemu.log" >&2
     [ "$VERBOSE" = 1 ] || { "$VM_SAY" "guest console (tail):"; tail -n 40 "$CONSOLE" >&2; }
+    exit $RC
 }

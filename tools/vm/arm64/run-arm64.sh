@@ -510,16 +510,5 @@ QEMU=(qemu-system-aarch64 -name bladed-arm64 -machine virt -cpu max,pauth-impdef
 [ $VERBOSE = 0 ] || say "${QEMU[*]}"
 
 vm_qemu_wait "$TIMEOUT" "${QEMU[@]}"
-
-if [ -s "$CTL/rc" ]; then
-    RC=$(cat "$CTL/rc")
-    [ $VERBOSE = 0 ] || say "VM done in $((SECONDS - T0)) s (guest uptime at exit $(cat "$CTL/uptime") s)"
-    exit "$RC"
-fi
-if [ $QRC = 124 ] || [ $QRC = 137 ]; then
-    say "timeout after ${TIMEOUT} s"; RC=124
-else
-    say "the VM ended without the command's exit status (qemu rc=$QRC)"; RC=125
-fi
-vm_show_failure
-exit $RC
+vm_done() { say "VM done in $((SECONDS - T0)) s (guest uptime at exit $(cat "$CTL/uptime") s)"; }
+vm_finish "timeout after ${TIMEOUT} s" "the VM ended without the command's exit status (qemu rc=$QRC)"
