@@ -65,9 +65,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import b
     echo "$sig" > "$stamp"
 fi
 
-# real FlexGen's wheels (issue 41), which tools/gpu_check.py --rehearse installs into a private directory where
+# real FlexGen's wheels (issue 41), which tools/gpu/gpu_check.py --rehearse installs into a private directory where
 # there is no .gpu-carry/ (never into .venv); kept when present
-"$VPY" tools/gpu_flexgen.py fetch var/wheels/flexgen >/dev/null
+"$VPY" tools/gpu/gpu_flexgen.py fetch var/wheels/flexgen >/dev/null
 
 if [ $WANT_VM = 1 ]; then
     tools/vm/nvme/run-in-nvme-vm.sh --setup >&2

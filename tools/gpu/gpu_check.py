@@ -3,20 +3,20 @@
 
 ::
 
-    python3 tools/gpu_check.py --prepare                  # here (network): fill .gpu-carry/ for the GPU box
-    python3 tools/gpu_check.py --rehearse --out /tmp/gc   # here (CPU): the same steps, CUDA parts not run
-    python3 tools/gpu_check.py --out "$OUT"               # on the GPU box, from the repository root
+    python3 tools/gpu/gpu_check.py --prepare                  # here (network): fill .gpu-carry/ for the GPU box
+    python3 tools/gpu/gpu_check.py --rehearse --out /tmp/gc   # here (CPU): the same steps, CUDA parts not run
+    python3 tools/gpu/gpu_check.py --out "$OUT"               # on the GPU box, from the repository root
 
 On the GPU box it installs the carried wheels into a private ``--target`` directory, unpacks Debian's
 liburing with ``dpkg -x`` into a private prefix (both under ``var/gpu-check``, git-ignored), builds the cffi
 extension (``bladed._uring``) against it,
 probes io_uring, starts a private daemon (file-backed store in a temporary directory), finds where memory
 cgroups with a hard limit can be made (``cgroups``), installs the carried FlexGen into a private directory with a
-local stand-in for OPT's tokenizer (``flexgen``, ``tools/gpu_flexgen.py``), runs the ``cuda`` tests
+local stand-in for OPT's tokenizer (``flexgen``, ``tools/gpu/gpu_flexgen.py``), runs the ``cuda`` tests
 (``tests/test_cuda.py``) and the measurements (staging-slot bandwidth and copy/kernel overlap, runner tokens/s
 with KV through bladed against KV kept in GPU memory, one KV sweep point with real DMA and real per-layer compute
 at two memory limits, a per-layer profile of the runner with KV through bladed against KV on the GPU at batch 1
-and 8 (``profile``, ``tools/gpu_profile.py``), and the end-to-end benchmark on OPT-6.7B's shape at three memory
+and 8 (``profile``, ``tools/gpu/gpu_profile.py``), and the end-to-end benchmark on OPT-6.7B's shape at three memory
 limits with real FlexGen at the same points (``e2e``, issue 41)), and writes ``gpu-check.json``,
 ``gpu-check.log``, ``gpu-check-e2e.json`` (the benchmark's own JSON) and the profile's traces to ``--out``.
 
@@ -66,10 +66,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import gpu_flexgen  # tools/: standard library only at import
+import gpu_flexgen  # tools/gpu/: standard library only at import
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = os.path.join(ROOT, "tools")
+HERE = os.path.dirname(os.path.abspath(__file__))  # tools/gpu
+ROOT = os.path.dirname(os.path.dirname(HERE))
 CARRY = os.path.join(ROOT, ".gpu-carry")
 SCHEMA = "bladed.gpu_check/1"
 JSON_NAME = "gpu-check.json"
@@ -286,7 +286,7 @@ def cgroup_info() -> dict[str, Any]:
 
 @dataclass
 class E2EOptions:
-    """The end-to-end plan on CUDA (``tools/gpu_check_steps.py``'s defaults: the issue's smallest)."""
+    """The end-to-end plan on CUDA (``tools/gpu/gpu_check_steps.py``'s defaults: the issue's smallest)."""
 
     prompt_len: int = 512
     batch: int = 8
@@ -402,7 +402,7 @@ def step_install(ctx: Ctx) -> Result:
     names = [n for n, _, _ in CARRIED]
     if not wheels:
         if not ctx.rehearse:
-            return {"status": "failed", "reason": f"no wheels in {ctx.carry}/wheels: run tools/gpu_check.py "
+            return {"status": "failed", "reason": f"no wheels in {ctx.carry}/wheels: run tools/gpu/gpu_check.py "
                                                   "--prepare where pip can reach PyPI, and carry .gpu-carry"}
         imp = _import_check(ctx, [m for _, _, m in CARRIED], None)
         return {"status": "passed" if imp["ok"] else "failed", "reason": None if imp["ok"] else imp["error"],
@@ -612,11 +612,11 @@ def step_build(ctx: Ctx) -> Result:
 
 
 def _step_child(ctx: Ctx, step: str, extra: Sequence[str] = ()) -> Result:
-    """Run ``tools/gpu_check_steps.py STEP`` and read the result it wrote."""
+    """Run ``tools/gpu/gpu_check_steps.py STEP`` and read the result it wrote."""
     res_path = os.path.join(ctx.work, f"step-{step}.json")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(res_path)
-    argv = [sys.executable, os.path.join(TOOLS, "gpu_check_steps.py"), step, "--work", ctx.work, "--result",
+    argv = [sys.executable, os.path.join(HERE, "gpu_check_steps.py"), step, "--work", ctx.work, "--result",
             res_path, "--out", ctx.out_dir, "--carry", ctx.carry, "--installs", ctx.installs,
             *(["--rehearse"] if ctx.rehearse else []), *extra]
     for flag, why in (("--no-daemon", ctx.no_daemon), ("--no-flexgen", ctx.no_flexgen),
@@ -713,7 +713,7 @@ def step_measure(name: str) -> Callable[[Ctx], Result]:
     return run
 
 
-#: how tools/gpu_check_steps.py is told where to make memory cgroups (its CGROUP_PARENT_ENV)
+#: how tools/gpu/gpu_check_steps.py is told where to make memory cgroups (its CGROUP_PARENT_ENV)
 CGROUP_PARENT_ENV = "BLADED_GPU_CHECK_CGROUP_PARENT"
 #: the prefixes of the memory cgroups the steps make (removed at the end if a killed step left one)
 CGROUP_PREFIXES = ("bladed-e2e-", "bladed-gpu-check-")
