@@ -1,5 +1,5 @@
-"""bladed on arm64 under emulation (issue 29): tools/arm64/run-arm64.sh builds the C shim and the daemon for
-aarch64 in a cached Debian 12 arm64 root and runs the smoke (tools/arm64/smoke.py) there.
+"""bladed on arm64 under emulation (issue 29): tools/vm/arm64/run-arm64.sh builds the C shim and the daemon for
+aarch64 in a cached Debian 12 arm64 root and runs the smoke (tools/vm/arm64/smoke.py) there.
 
 * In the VM (qemu-system-aarch64, Debian's arm64 kernel): the daemon on its embedded default (a file-backed
   store) picks io_uring, a session per path writes, reads back and verifies its KV, and each close TRIMs:
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from daemon_util import ROOT, ended
 
-RUN = os.path.join(ROOT, "tools", "arm64", "run-arm64.sh")
+RUN = os.path.join(ROOT, "tools", "vm", "arm64", "run-arm64.sh")
 SETUP_TIMEOUT_S = 1800.0   # a fresh root: debootstrap, the kernel, pip, all emulated where they run code
 SMOKE_TIMEOUT_S = 600.0
 EM_AARCH64 = 183
@@ -56,7 +56,7 @@ def arm64_root() -> str:
 
 
 def smoke(mode: list[str], args: tuple[str, ...] = ()) -> dict[str, Any]:
-    r = harness([*mode, "--", "python", "tools/arm64/smoke.py", *args], SMOKE_TIMEOUT_S)
+    r = harness([*mode, "--", "python", "tools/vm/arm64/smoke.py", *args], SMOKE_TIMEOUT_S)
     try:
         out = dict(json.loads(r.stdout))
     except ValueError:

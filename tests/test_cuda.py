@@ -1,5 +1,5 @@
 """The GPU half of bladed on CUDA (issue 32): marked ``cuda``, the only tests that skip, and only where
-``torch.cuda.is_available()`` is false. ``tools/gpu_check.py`` runs them on a GPU box (``pytest -m cuda``).
+``torch.cuda.is_available()`` is false. ``tools/gpu/gpu_check.py`` runs them on a GPU box (``pytest -m cuda``).
 
 * The runner on CUDA with its KV offloaded through a real daemon (``dualblade``, overlap-intra and
   overlap-cross, appends sent at once or deferred) equals the runner with the in-process ``MemoryKV`` on
@@ -56,7 +56,7 @@ BUDGET = 16 << 10
 
 
 def _tools_module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", "gpu", f"{name}.py"))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

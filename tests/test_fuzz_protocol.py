@@ -11,7 +11,7 @@ well-behaved client afterwards.
 Cases are cheap: they are generated from a seeded ``random.Random`` and sent
 pipelined over one connection (32 frames, then their replies); a case that
 breaks the stream closes the connection and the fuzzer reconnects.  The CI run
-tries 100,000 cases (``BLADED_FUZZ_CASES`` to change it; ``tools/reliability.py
+tries 100,000 cases (``BLADED_FUZZ_CASES`` to change it; ``tests/reliability.py
 fuzz`` for long runs).  A hypothesis test drives the same generator with
 hypothesis-chosen seeds, so a failure shrinks to a reproducible seed.
 """

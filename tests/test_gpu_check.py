@@ -1,4 +1,4 @@
-"""``tools/gpu_check.py --rehearse`` (issues 32, 41): the GPU box's check runs here, so it cannot rot before a GPU
+"""``tools/gpu/gpu_check.py --rehearse`` (issues 32, 41): the GPU box's check runs here, so it cannot rot before a GPU
 is lent.
 
 The rehearsal runs every step of the GPU run on this machine: the carried wheels' install (or, without a carry,
@@ -33,7 +33,7 @@ CUDA_STEPS = ["cuda_tests", "bandwidth", "runner", "sparse", "sweep", "profile",
 @pytest.mark.slow
 def test_the_gpu_check_rehearses_every_step_on_this_machine(tmp_path: os.PathLike[str]) -> None:
     out = os.path.join(tmp_path, "out")
-    r = subprocess.run([sys.executable, os.path.join("tools", "gpu_check.py"), "--rehearse", "--out", out],
+    r = subprocess.run([sys.executable, os.path.join("tools", "gpu", "gpu_check.py"), "--rehearse", "--out", out],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     with open(os.path.join(out, "gpu-check.json")) as f:
         doc = json.load(f)

@@ -1,4 +1,4 @@
-"""The parts of ``tools/gpu_check.py``'s issue-41 steps that a CPU can check on their own, quickly.
+"""The parts of ``tools/gpu/gpu_check.py``'s issue-41 steps that a CPU can check on their own, quickly.
 
 FlexGen's command line and KV size, the local tokenizer that stands in for OPT's, where memory cgroups may be
 made on a cgroup v2 host, the profile's per-layer figures, the end-to-end benchmark's budget and its hook for
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from daemon_util import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
 
 import gpu_check
 import gpu_check_steps

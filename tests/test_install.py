@@ -1,5 +1,5 @@
 """tools/install.sh, as documented in docs/operations.md ("Install"), from a fresh Debian 12 root:
-tools/test-install.sh bootstraps (or copies a cached) `debootstrap --variant=minbase` root, installs there
+tools/vm/install/test-install.sh bootstraps (or copies a cached) `debootstrap --variant=minbase` root, installs there
 with chroot and checks the result, a second run, an upgrade, --enable and the uninstall (its header lists
 every check).
 
@@ -18,7 +18,7 @@ import subprocess
 import pytest
 from daemon_util import ROOT
 
-SCRIPT = os.path.join(ROOT, "tools", "test-install.sh")
+SCRIPT = os.path.join(ROOT, "tools", "vm", "install", "test-install.sh")
 TIMEOUT_S = 560  # below pytest-timeout's 600 s, so that a hang fails here with the script's output
 
 
@@ -38,9 +38,10 @@ def test_install_sh_in_a_fresh_debian12_root() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)     # what the trap did not end in time
             proc.wait()
-        pytest.fail(f"tools/test-install.sh took over {TIMEOUT_S} s; its output:\n{out[-6000:]}")
+        pytest.fail(f"tools/vm/install/test-install.sh took over {TIMEOUT_S} s; its output:\n{out[-6000:]}")
     lines = out.splitlines()
     errors = [ln for ln in lines if "error:" in ln or "FAIL" in ln]
     assert proc.returncode == 0, (
-        f"tools/test-install.sh exited {proc.returncode}: {errors[-1] if errors else ''}\n" + "\n".join(lines[-60:]))
+        f"tools/vm/install/test-install.sh exited {proc.returncode}: {errors[-1] if errors else ''}\n"
+        + "\n".join(lines[-60:]))
     assert lines[-1].startswith("test-install: PASS"), lines[-1]

@@ -1,6 +1,6 @@
 """The C codec of q8 / q4 rows (``bladed._codec``) against a numpy reference of the formats, without torch.
 
-The arm64 suites (tools/arm64/run-arm64.sh --suites) run this module: their root has no torch, and the
+The arm64 suites (tools/vm/arm64/run-arm64.sh --suites) run this module: their root has no torch, and the
 arm64 build of the loops (NEON, the compiler's fp16 conversions) must write the same rows. The reference
 (tests/kv_codec_util.py) is the torch encoder's arithmetic in numpy float32, with the C codec's documented
 choices where torch leaves bits open; tests/test_kvformat_codec.py holds the C codec against torch itself.

@@ -1,5 +1,5 @@
 """Real NVMe passthrough, from a host without NVMe: boots the QEMU NVMe VM
-(tools/nvme-vm/run-in-nvme-vm.sh) once per device configuration and runs
+(tools/vm/nvme/run-in-nvme-vm.sh) once per device configuration and runs
 ``tests/vm`` inside it, with this interpreter: in the busybox-init
 configurations every test but the ``systemd_vm`` ones, in the one booted with
 systemd as PID 1 (``--init systemd``, cgroup v2 only) those alone.  No test may
@@ -31,7 +31,7 @@ import pytest
 from daemon_util import ended
 
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = REPO / "tools" / "nvme-vm" / "run-in-nvme-vm.sh"
+HARNESS = REPO / "tools" / "vm" / "nvme" / "run-in-nvme-vm.sh"
 
 NS_SIZE = "5G"        # sparse; over 4 GiB so that a whole-namespace discard needs several DSM ranges
 FAULTY_SECTOR = 2048  # a second namespace fails every command touching byte 1 MiB (tests/vm/test_faults_in_vm.py)

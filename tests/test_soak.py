@@ -2,9 +2,9 @@
 back and close, over and over, with checksummed sessions (crc32c per token
 row, verified by the daemon) and every read also compared byte for byte by
 the client.  Zero mismatches; throughput and latency p99 are printed (and
-recorded in docs/reliability.md from ``tools/reliability.py soak``).
+recorded in docs/reliability.md from ``tests/reliability.py soak``).
 
-CI runs 20 s (``BLADED_SOAK_S``); the long run is ``tools/reliability.py soak
+CI runs 20 s (``BLADED_SOAK_S``); the long run is ``tests/reliability.py soak
 --seconds 600``.
 """
 

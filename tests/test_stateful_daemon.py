@@ -14,7 +14,7 @@ Invariants, after every step:
   wrote it.  Each session's bytes carry the session's tag in their high nibble, so a byte of another
   session, of a closed one (extents are scrubbed on close), or below ``region_start_lba`` is caught.
 
-CI runs a bounded number of steps (:data:`CI_SETTINGS`); ``tools/reliability.py stateful`` runs longer and
+CI runs a bounded number of steps (:data:`CI_SETTINGS`); ``tests/reliability.py stateful`` runs longer and
 prints its figures (docs/reliability.md).
 """
 
@@ -90,7 +90,7 @@ class DaemonMachine(RuleBasedStateMachine):
     """One daemon per example, on a file store, in a memory cgroup of its own."""
 
     sessions = Bundle("sessions")
-    #: what every example did, summed (``tools/reliability.py stateful`` prints it)
+    #: what every example did, summed (``tests/reliability.py stateful`` prints it)
     totals: ClassVar[dict[str, int]] = {}
 
     def __init__(self) -> None:
@@ -293,7 +293,7 @@ class DaemonMachine(RuleBasedStateMachine):
                                  f"extents {spans}; {len(bad[0])} such bytes")
 
 
-#: the CI-sized run; tools/reliability.py stateful runs longer
+#: the CI-sized run; tests/reliability.py stateful runs longer
 CI_SETTINGS = settings(max_examples=8, stateful_step_count=30, deadline=None,
                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 

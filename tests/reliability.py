@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Long reliability runs (the CI-sized versions are tests/test_fuzz_protocol.py,
-tests/test_faults.py and tests/test_soak.py):
+"""Long reliability runs: the code of the CI-sized suites beside this file (tests/test_fuzz_protocol.py,
+tests/test_faults.py, tests/test_soak.py, tests/test_stateful_daemon.py), run longer. Not a test module
+(pytest does not collect it):
 
-    tools/reliability.py fuzz  --cases 1000000 [--seed N]
-    tools/reliability.py kills --kills 10000
-    tools/reliability.py soak  --seconds 600
-    tools/reliability.py stateful --examples 200 --steps 60 [--seed N]
+    tests/reliability.py fuzz  --cases 1000000 [--seed N]
+    tests/reliability.py kills --kills 10000
+    tests/reliability.py soak  --seconds 600
+    tests/reliability.py stateful --examples 200 --steps 60 [--seed N]
 
 Each starts its own daemon on a file store in a temporary directory and prints
 one JSON line of figures (for docs/reliability.md).

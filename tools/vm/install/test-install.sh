@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# tools/test-install.sh - test tools/install.sh in a fresh Debian 12 root, as root (tests/test_install.py runs it).
+# tools/vm/install/test-install.sh - test tools/install.sh in a fresh Debian 12 root, as root
+# (tests/test_install.py runs it).
 #
 # The root is a copy of a cached `debootstrap --variant=minbase --include=systemd bookworm` root (systemd is
 # installed, as on any Debian box, but it does not run: this is a chroot). A clean export of the checkout
@@ -32,7 +33,7 @@
 # A cold run (no cache) needs deb.debian.org and pypi.org; a warm one still runs apt-get update and pip
 # against them.
 #
-# usage: tools/test-install.sh [--distro bookworm|noble] [--keep]
+# usage: tools/vm/install/test-install.sh [--distro bookworm|noble] [--keep]
 #   --distro noble   an Ubuntu 24.04 root from archive.ubuntu.com, components main and universe (python3-venv
 #                    is in universe) as in Ubuntu's default sources; this host's debootstrap has no Ubuntu
 #                    keyring, so it does not check the Release file's signature (apt inside the root does)
@@ -143,7 +144,7 @@ if [ "${1:-}" = __in_root ]; then
     check "... its primary group is bladed" test "$(id -gn bladed)" = bladed
     check "/var/lib/bladed is left to the unit's StateDirectory=" test ! -e /var/lib/bladed
 
-    printf '%s\n' '# test config (tools/test-install.sh): a small file-backed store' \
+    printf '%s\n' '# test config (tools/vm/install/test-install.sh): a small file-backed store' \
         '[daemon]' 'state_dir = "/var/lib/bladed"' \
         '[device]' 'backend = "file"' 'path = "test-store.img"' 'size = "64M"' \
         '[socket]' 'path = "/run/bladed/bladed.sock"' >/etc/bladed/bladed.toml
@@ -241,11 +242,11 @@ if [ "${1:-}" = __in_namespace ]; then
     # a clean environment: nothing else of the host's (PIP_* settings, local indexes) leaks in
     exec env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
         TERM=dumb PIP_FIND_LINKS=$WHEELS "${cert[@]}" \
-        chroot "$root" /bin/bash /usr/src/bladed/tools/test-install.sh __in_root
+        chroot "$root" /bin/bash /usr/src/bladed/tools/vm/install/test-install.sh __in_root
 fi
 
 # -- on the host ----------------------------------------------------------------------------------------------
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)  # the checkout: this is tools/vm/install/
 DISTRO=bookworm
 KEEP=0
 while [ $# -gt 0 ]; do
@@ -253,7 +254,7 @@ while [ $# -gt 0 ]; do
         --distro) [ $# -ge 2 ] || die 2 "--distro needs bookworm or noble"; DISTRO=$2; shift ;;
         --keep) KEEP=1 ;;
         -h | --help) sed -n '/^# usage:/,/^# exit codes:/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        *) die 2 "unknown argument '$1'; usage: tools/test-install.sh [--distro bookworm|noble] [--keep]" ;;
+        *) die 2 "unknown argument '$1'; usage: tools/vm/install/test-install.sh [--distro bookworm|noble] [--keep]" ;;
     esac
     shift
 done
@@ -326,7 +327,7 @@ T_COPY=$((SECONDS - T0 - T_BASE))
 say "root ready: $WORK/root ($DISTRO; cached root ${T_BASE} s, copy ${T_COPY} s)"
 
 rc=0
-unshare --mount --propagation private "$HERE/tools/test-install.sh" __in_namespace "$WORK/root" "$CACHE" \
+unshare --mount --propagation private "$HERE/tools/vm/install/test-install.sh" __in_namespace "$WORK/root" "$CACHE" \
     "$DISTRO" || rc=$?
 if [ $rc = 0 ]; then
     say "PASS ($DISTRO) in $((SECONDS - T0)) s"

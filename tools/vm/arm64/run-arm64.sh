@@ -4,9 +4,9 @@
 # emulation, on an x86-64 Debian 12 host.  docs/arm64.md says what it
 # exercises, what it cannot, and the times measured.
 #
-# usage: tools/arm64/run-arm64.sh --setup          make (or find) the cached arm64 root, then exit
-#        tools/arm64/run-arm64.sh [options] -- CMD [ARGS...]
-#        tools/arm64/run-arm64.sh [options] --suites [-- PYTEST-ARGS...]
+# usage: tools/vm/arm64/run-arm64.sh --setup       make (or find) the cached arm64 root, then exit
+#        tools/vm/arm64/run-arm64.sh [options] -- CMD [ARGS...]
+#        tools/vm/arm64/run-arm64.sh [options] --suites [-- PYTEST-ARGS...]
 #   --setup        also make the root first if needed (with CMD; alone: only that)
 #   --user         run CMD in a chroot of the root under qemu-user (the host's
 #                  kernel; io_uring_setup fails there with ENOSYS) instead of
@@ -69,7 +69,9 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(cd "$HERE/../.." && pwd)  # the checkout this script belongs to
+REPO=$(cd "$HERE/../../.." && pwd)  # the checkout this script belongs to
+# shellcheck source=tools/vm/lib.sh
+. "$HERE/../lib.sh"
 SUITE=bookworm
 MIRROR=${BLADED_ARM64_MIRROR:-http://deb.debian.org/debian}
 if [ -z "${BLADED_ARM64_HOME:-}" ]; then
@@ -132,6 +134,7 @@ SUITES_ENV=(BLADED_FAULT_KILLS=200 BLADED_FUZZ_CASES=20000)
 
 say() { echo "run-arm64: [$SECONDS s] $*" >&2; }
 die() { echo "run-arm64: $*" >&2; exit 1; }
+VM_SAY=say
 usage() { sed -n '/^# usage:/,/^#                  below, docs/p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 if [ "$(id -u)" != 0 ]; then
@@ -203,11 +206,7 @@ host_packages() {
     done
     if [ ${#missing[@]} -gt 0 ]; then
         say "installing host packages: ${missing[*]}"
-        export DEBIAN_FRONTEND=noninteractive
-        if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >&2; then
-            apt-get update -q >&2
-            apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
-        fi
+        vm_apt_install "${missing[@]}"
     fi
 }
 
@@ -271,7 +270,7 @@ build_root() {
     cp -L /etc/ssl/certs/ca-certificates.crt "$tmp/etc/ssl/certs/ca-certificates.crt"
     say "Debian's arm64 kernel ($KERNEL_META), unpacked into the root"
     in_root "$tmp" /bin/sh -c "apt-get update -q >/dev/null" >&2
-    kpkg=$(in_root "$tmp" apt-cache depends "$KERNEL_META" | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    kpkg=$(in_root "$tmp" apt-cache depends "$KERNEL_META" | vm_kernel_of)
     [ -n "$kpkg" ] || die "cannot resolve $KERNEL_META to a kernel package"
     mkdir -p "$tmp/opt/kernel-deb"
     in_root "$tmp" /bin/sh -c "cd /opt/kernel-deb && apt-get download -q $kpkg" >&2
@@ -299,44 +298,20 @@ build_root() {
     mv "$tmp" "$ROOTFS"
 }
 
-# the modules of GUEST_MODULES with their dependencies, in load order (as tools/nvme-vm's resolver)
-resolve_modules() {
-    local moddir=$1
-    awk -v want="$GUEST_MODULES" '
-        FNR == NR { n=split($1, a, "/"); name=a[n]; sub(/\.ko.*$/, "", name)
-                    gsub("-", "_", name); builtin[name]=1; next }
-        { sub(":", "", $1); path[$1]=$0; n=split($1, a, "/"); name=a[n];
-          sub(/\.ko(\.[a-z]+)?$/, "", name); gsub("-", "_", name); byname[name]=$1 }
-        function load(p,   f, i, n) {
-            if (p in done) return; done[p]=1
-            n=split(path[p], f, " ")
-            for (i=n; i>=2; i--) load(f[i])   # deps listed nearest-first
-            print p
-        }
-        END { n=split(want, w, " ")
-              for (i=1; i<=n; i++) { m=w[i]; gsub("-", "_", m)
-                  if (m in builtin) continue
-                  if (!(m in byname)) { print "missing module " m > "/dev/stderr"; exit 1 }
-                  load(byname[m]) } }' "$moddir/modules.builtin" "$moddir/modules.dep"
-}
-
 # a kernel of another Debian release, beside the root: read through a private apt configuration (its own
 # sources, lists and archive cache; the host's sources.list never names it), unpacked into $CACHE/kernel-NAME
 foreign_kernel() {  # foreign_kernel NAME SUITE META: sets KDIR
-    local name=$1 suite=$2 meta=$3 d key=/usr/share/keyrings/debian-archive-keyring.gpg pkg
+    local name=$1 suite=$2 meta=$3 d pkg
     KDIR=$CACHE/kernel-$name
     [ -f "$KDIR/.ready" ] && return 0
     say "fetching $meta from Debian $suite (private apt configuration) into $KDIR"
     d=$CACHE/apt-$suite
     rm -rf "$d" "$KDIR.tmp"
-    mkdir -p "$d/lists/partial" "$d/archives/partial" "$d/parts" "$KDIR.tmp"
-    printf 'deb [signed-by=%s] %s %s main\n' "$key" "$MIRROR" "$suite" > "$d/sources.list"
-    local fapt=(-o "Dir::Etc::SourceList=$d/sources.list" -o "Dir::Etc::SourceParts=$d/parts"
-                -o "Dir::State::Lists=$d/lists" -o "Dir::Cache=$d" -o "Dir::Cache::archives=$d/archives"
-                -o Acquire::Languages=none -o APT::Architecture=arm64 -o APT::Architectures=arm64
-                -o APT::Sandbox::User=root)
+    mkdir -p "$KDIR.tmp"
+    vm_private_apt "$d" arm64 "$MIRROR $suite"
+    local fapt=("${VM_APT[@]}" -o APT::Sandbox::User=root)
     apt-get "${fapt[@]}" update -q >&2 || die "apt-get update of $suite failed"
-    pkg=$(apt-cache "${fapt[@]}" depends "$meta" | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+    pkg=$(apt-cache "${fapt[@]}" depends "$meta" | vm_kernel_of)
     [ -n "$pkg" ] || die "cannot resolve $meta in $suite"
     (cd "$d" && apt-get "${fapt[@]}" download -q "$pkg" >&2) || die "apt-get download $pkg failed"
     dpkg-deb -x "$d"/*.deb "$KDIR.tmp"
@@ -350,11 +325,11 @@ foreign_kernel() {  # foreign_kernel NAME SUITE META: sets KDIR
     mv "$KDIR.tmp" "$KDIR"
 }
 
-# the VM's kernel, its modules and the initramfs (rebuilt, from the root, when guest-init.sh or the module list
-# changes); MODSHARE: the kernel's module directory when it is not the root's (shared with the guest)
+# the VM's kernel, its modules and the initramfs (rebuilt, from the root, when the guest init (guest-init.sh
+# with lib.sh's parts in place) or the module list changes); MODSHARE: the kernel's module directory when it is not the root's (shared with the guest)
 KVER='' KERNEL='' INITRD='' MODSHARE=''
 vm_boot_files() {
-    local moddir sig d m b
+    local moddir sig d m init
     if [ "$KSEL" = 16k ]; then
         foreign_kernel 16k "${KERNEL_16K[@]}"
         moddir=$(ls -d "$KDIR"/lib/modules/* | head -n1)
@@ -366,7 +341,8 @@ vm_boot_files() {
     fi
     KVER=$(basename "$moddir")
     [ -f "$KERNEL" ] || die "no kernel $KERNEL"
-    sig=$(cat "$HERE/guest-init.sh" <(echo "$GUEST_MODULES $KVER") | sha256sum | cut -c1-12)
+    init=$(vm_init_expand < "$HERE/guest-init.sh")
+    sig=$(printf '%s\n' "$init" | cat - <(echo "$GUEST_MODULES $KVER") | sha256sum | cut -c1-12)
     INITRD=$CACHE/initramfs-$SIG-$KVER-$sig.cpio
     [ -s "$INITRD" ] && return 0
     say "building the initramfs $INITRD"
@@ -375,17 +351,10 @@ vm_boot_files() {
     mkdir -p "$d/bin" "$d/modules"
     cp "$ROOTFS/bin/busybox" "$d/bin/busybox"
     ln -s busybox "$d/bin/sh"
-    : > "$d/modules.list"
-    for m in $(resolve_modules "$moddir"); do
-        b=${m##*/}
-        case $b in  # busybox insmod takes them uncompressed
-            *.ko.xz) xz -dc "$moddir/$m" > "$d/modules/${b%.xz}"; b=${b%.xz} ;;
-            *.ko.zst) zstd -dcq "$moddir/$m" > "$d/modules/${b%.zst}"; b=${b%.zst} ;;
-            *) cp "$moddir/$m" "$d/modules/" ;;
-        esac
-        echo "$b" >> "$d/modules.list"
-    done
-    install -m 755 "$HERE/guest-init.sh" "$d/init"
+    # shellcheck disable=SC2046  # the modules' paths, one word each
+    vm_initramfs_modules "$moddir" "$d" "xz -dc" "" $(vm_resolve_modules "$moddir" "$GUEST_MODULES")
+    printf '%s\n' "$init" > "$d/init"
+    chmod 755 "$d/init"
     # busybox's applets as links, and the archive, made by the root's busybox (emulated)
     in_root "$ROOTFS" /bin/sh -c 'cd /opt/initramfs.tmp &&
         for a in $(/bin/busybox --list); do [ -e bin/$a ] || ln -s busybox bin/$a; done &&
@@ -488,21 +457,10 @@ exec 9>&-
 
 # -- the VM ----------------------------------------------------------------------------------------------
 T0=$SECONDS
-mkdir -p "$CACHE/runs"
-RUN=$(mktemp -d "$CACHE/runs/run.XXXXXX")
-CTL=$RUN/ctl
-mkdir -p "$CTL"
-QEMU_PID=
-cleanup() {
-    local rc=$?
-    [ -n "$QEMU_PID" ] && kill "$QEMU_PID" 2>/dev/null || true
-    if [ $KEEP = 1 ]; then say "kept $RUN"; else rm -rf "$RUN"; fi
-    exit $rc
-}
-trap cleanup EXIT
+vm_run_dir "$CACHE/runs"
+trap vm_cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-qe() { printf %s "${1//,/,,}"; }  # commas in QEMU option values
 
 # /tmp of the guest: a fresh sparse ext4 disk
 truncate -s 16G "$RUN/scratch.img"
@@ -532,15 +490,7 @@ QEMU_MODS=()
     echo 'exec "$@"'
 } > "$CTL/cmd.sh"
 
-mkfifo "$RUN/out" "$RUN/err"
-cat "$RUN/out" &
-CAT1=$!
-cat "$RUN/err" >&2 &
-CAT2=$!
-CONSOLE=$RUN/console.log
-: > "$CONSOLE"
-TAILPID=
-if [ $VERBOSE = 1 ]; then tail -n +1 -f "$CONSOLE" >&2 & TAILPID=$!; fi
+vm_serial_start
 
 # pauth-impdef: the cheap pointer-authentication algorithm (QARMA costs much under TCG; the kernel uses it)
 QEMU=(qemu-system-aarch64 -name bladed-arm64 -machine virt -cpu max,pauth-impdef=on -accel tcg,thread=multi
@@ -559,29 +509,6 @@ QEMU=(qemu-system-aarch64 -name bladed-arm64 -machine virt -cpu max,pauth-impdef
       ${QEMU_NVME[@]+"${QEMU_NVME[@]}"} ${QEMU_MODS[@]+"${QEMU_MODS[@]}"})
 [ $VERBOSE = 0 ] || say "${QEMU[*]}"
 
-set +e
-timeout -k 10 "$TIMEOUT" "${QEMU[@]}" < /dev/null > "$RUN/qemu.log" 2>&1 &
-QEMU_PID=$!
-wait $QEMU_PID
-QRC=$?
-QEMU_PID=
-# QEMU never opened a FIFO if it died early: unblock the readers
-[ -e /proc/$CAT1 ] && { exec 7<>"$RUN/out"; exec 7>&-; } 2>/dev/null
-[ -e /proc/$CAT2 ] && { exec 7<>"$RUN/err"; exec 7>&-; } 2>/dev/null
-wait $CAT1 $CAT2 2>/dev/null
-[ -n "$TAILPID" ] && { kill $TAILPID 2>/dev/null; wait $TAILPID 2>/dev/null; }
-set -e
-
-if [ -s "$CTL/rc" ]; then
-    RC=$(cat "$CTL/rc")
-    [ $VERBOSE = 0 ] || say "VM done in $((SECONDS - T0)) s (guest uptime at exit $(cat "$CTL/uptime") s)"
-    exit "$RC"
-fi
-if [ $QRC = 124 ] || [ $QRC = 137 ]; then
-    say "timeout after ${TIMEOUT} s"; RC=124
-else
-    say "the VM ended without the command's exit status (qemu rc=$QRC)"; RC=125
-fi
-cat "$RUN/qemu.log" >&2
-[ $VERBOSE = 1 ] || { say "guest console (tail):"; tail -n 40 "$CONSOLE" >&2; }
-exit $RC
+vm_qemu_wait "$TIMEOUT" "${QEMU[@]}"
+vm_done() { say "VM done in $((SECONDS - T0)) s (guest uptime at exit $(cat "$CTL/uptime") s)"; }
+vm_finish "timeout after ${TIMEOUT} s" "the VM ended without the command's exit status (qemu rc=$QRC)"

@@ -1,6 +1,6 @@
 #!/bin/sh
 # guest-init.sh - /init (PID 1) of the arm64 VM's initramfs, run by the root's
-# static busybox.  tools/arm64/run-arm64.sh builds the initramfs around it
+# static busybox.  tools/vm/arm64/run-arm64.sh builds the initramfs around it
 # (modules.list and modules/ hold the modules it loads, in order) and boots it
 # with the shares and ports it mounts:
 #   9p "root"  the arm64 root (read-only), with a RAM overlay on top: what the
@@ -12,19 +12,14 @@
 #              unlike on tmpfs or 9p)
 #   /dev/nvme0n1 (with --nvme) an NVMe namespace of QEMU's NVMe controller
 #   virtio-serial ports arm64.out / arm64.err: the command's stdout / stderr
-# Adapted from tools/nvme-vm/run-in-nvme-vm.sh's guest init.
+# A template: run-arm64.sh writes it with the parts of its "#@ vm_init_..." lines
+# in place (tools/vm/lib.sh's guest init core, shared with the NVMe VM's init).
 export PATH=/bin:/sbin
 mkdir -p /proc /sys /dev /ctl /lower /ovl /newroot
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-log() { echo "arm64-init[$(cut -d' ' -f1 /proc/uptime)]: $*" > /dev/console; }
-halt_now() { sync; poweroff -f; echo o > /proc/sysrq-trigger; sleep 5; }
-log "init started"
-for m in $(cat /modules.list); do
-    insmod "/modules/$m" 2>/dev/null || log "insmod $m failed"
-done
-P9="trans=virtio,version=9p2000.L,msize=512000"
+#@ vm_init_start arm64
 mount -t 9p -o "$P9,cache=none" ctl /ctl || { log "cannot mount the ctl share"; halt_now; }
 . /ctl/config.sh
 mount -t 9p -o "$P9,ro,cache=loose" root /lower || { log "cannot mount the root share"; halt_now; }
@@ -32,14 +27,7 @@ mount -t tmpfs -o mode=755 tmpfs /ovl
 mkdir -p /ovl/upper /ovl/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/ovl/upper,workdir=/ovl/work /newroot ||
     { log "overlayfs failed"; halt_now; }
-R=/newroot
-mount -t proc proc $R/proc
-mount -t sysfs sysfs $R/sys
-mount --bind /dev $R/dev
-mkdir -p $R/dev/pts $R/dev/shm
-mount -t devpts -o newinstance,ptmxmode=0666 devpts $R/dev/pts
-mount -t tmpfs -o mode=1777 tmpfs $R/dev/shm
-mount -t tmpfs -o mode=755 tmpfs $R/run
+#@ vm_init_newroot
 mount -t tmpfs -o mode=1777 tmpfs $R/var/tmp
 # cgroup v2, with the memory controller enabled for child cgroups (the budget and the cgroup tests)
 mount -t cgroup2 cgroup2 $R/sys/fs/cgroup 2>/dev/null &&
@@ -64,19 +52,5 @@ if [ "$NVME" = 1 ]; then
     while { [ ! -b /dev/nvme0n1 ] || [ ! -c /dev/ng0n1 ]; } && [ $n -lt 300 ]; do sleep 0.1; n=$((n+1)); done
     [ -b /dev/nvme0n1 ] || log "no /dev/nvme0n1"
 fi
-OUT=/dev/console; ERR=/dev/console
-for d in /sys/class/virtio-ports/*; do
-    case "$(cat $d/name 2>/dev/null)" in
-        arm64.out) OUT=/dev/${d##*/} ;;
-        arm64.err) ERR=/dev/${d##*/} ;;
-    esac
-done
-hostname arm64vm
-ip link set lo up 2>/dev/null
-log "starting command"
-chroot $R /bin/bash /run/arm64/cmd.sh < /dev/null > $OUT 2> $ERR
-rc=$?
-log "command exited with $rc"
-echo $rc > /ctl/rc
-cut -d' ' -f1 /proc/uptime > /ctl/uptime
-halt_now
+#@ vm_init_ports arm64
+#@ vm_init_run arm64vm /run/arm64

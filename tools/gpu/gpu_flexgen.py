@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Real FlexGen (``flexgen`` 0.1.8 from PyPI, the paper's Baseline software) for ``tools/gpu_check.py`` (issue 41).
+"""Real FlexGen (``flexgen`` 0.1.8 from PyPI, the paper's Baseline software) for ``tools/gpu/gpu_check.py`` (issue 41).
 
 FlexGen is never part of bladed: its wheel (and ``attrs``, which it imports and a bare GPU box may lack) is
-carried (``.gpu-carry/flexgen/``, filled by ``tools/gpu_check.py --prepare``; ``tools/setup.sh`` puts the same
+carried (``.gpu-carry/flexgen/``, filled by ``tools/gpu/gpu_check.py --prepare``; ``tools/setup.sh`` puts the same
 wheels in ``var/wheels/flexgen/`` for rehearsals) and installed with ``pip --no-index --no-deps --target`` into a
 private directory that only FlexGen's processes put on their path. Two roles:
 
 * **harness** (imported; standard library only at import): :func:`install`, :func:`build_tokenizer`,
   :class:`FlexGenRunner` (one FlexGen process per run, in a memory cgroup of its own, cold like the
   end-to-end benchmark's runs, timed and counted the same way);
-* **child** (``python3 tools/gpu_flexgen.py run --site DIR --tokenizer DIR --result FILE -- FLEXGEN ARGS``): in
+* **child** (``python3 tools/gpu/gpu_flexgen.py run --site DIR --tokenizer DIR --result FILE -- FLEXGEN ARGS``): in
   FlexGen's process, applies :data:`PATCHES` and runs FlexGen's own ``run_flexgen`` (``python -m
   flexgen.flex_opt``'s entry) with FlexGen's own argument parser, then writes what it measured to ``--result``.
 
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this file is in tools/gpu/
 #: what FlexGen needs that the GPU box lacks (pip name, version, import name); the box has torch, transformers,
 #: numpy and tqdm; ``pulp`` is imported only by FlexGen's cost model (``experimental/``), never here
 WHEELS: tuple[tuple[str, str, str], ...] = (("flexgen", "0.1.8", "flexgen"), ("attrs", "26.1.0", "attr"))
@@ -142,7 +142,7 @@ def check_tokenizer(path: str, prompt_len: int = 40) -> dict[str, Any]:
     if (tok.pad_token_id != OPT_PAD or ids[:n_pad] != [OPT_PAD] * n_pad or OPT_PAD in ids[n_pad:]
             or text != FLEXGEN_PROMPT or len(ids) != prompt_len):
         raise ValueError(f"the local tokenizer in {path} does not encode FlexGen's prompt as OPT's would (pad id 1 "
-                         f"on the left, then </s> 2): {out}; rebuild it with tools/gpu_flexgen.py tokenizer DIR")
+                         f"on the left, then </s> 2): {out}; rebuild it with tools/gpu/gpu_flexgen.py tokenizer DIR")
     return out
 
 
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, flexgen_argv = argv[:at], argv[at + 1:]
-    p = argparse.ArgumentParser(prog="tools/gpu_flexgen.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tools/gpu/gpu_flexgen.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="in FlexGen's process: patch, run FlexGen with the arguments after --")
     r.add_argument("--site", required=True, help="where FlexGen was installed (pip --target)")

@@ -1,4 +1,4 @@
-"""CUDA helpers shared by ``tests/test_cuda.py`` and ``tools/gpu_check_steps.py`` (torch with CUDA needed).
+"""CUDA helpers shared by ``tests/test_cuda.py`` and ``tools/gpu/gpu_check_steps.py`` (torch with CUDA needed).
 
 * :func:`host_memory` asks CUDA itself what a host address is: page-locked (registered with
   ``cudaHostRegister`` or allocated pinned) or pageable, through ``cudaPointerGetAttributes`` and

@@ -1,6 +1,6 @@
 """The arm64 smoke: bladed on its embedded default, KV written, read back and verified, torn down with TRIM.
 
-Run inside the emulated arm64 system (``tools/arm64/run-arm64.sh [--user] -- python tools/arm64/smoke.py``;
+Run inside the emulated arm64 system (``tools/vm/arm64/run-arm64.sh [--user] -- python tools/vm/arm64/smoke.py``;
 tests/test_arm64.py does): it starts ``python -m bladed.server`` with no config and no options in a fresh
 directory under /tmp, so the embedded default puts a file-backed store, the page-cache directory and the
 socket in ``var/bladed`` there. Then, through the client library (``bladed.client``):

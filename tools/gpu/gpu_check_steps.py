@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The steps of ``tools/gpu_check.py`` that run bladed, each in a child process of its own::
+"""The steps of ``tools/gpu/gpu_check.py`` that run bladed, each in a child process of its own::
 
-    python3 tools/gpu_check_steps.py STEP --work DIR --result FILE [--rehearse]
+    python3 tools/gpu/gpu_check_steps.py STEP --work DIR --result FILE [--rehearse]
     # STEP: uring, daemon, cgroups, flexgen, bandwidth, runner, sweep, profile, e2e
 
 Each writes one JSON object to ``--result``: ``status`` (``passed``, ``failed``, ``not_run``, ``timeout``),
@@ -31,8 +31,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "tools")):
+HERE = os.path.dirname(os.path.abspath(__file__))  # tools/gpu
+ROOT = os.path.dirname(os.path.dirname(HERE))
+for _p in (ROOT, os.path.join(ROOT, "bench"), HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -670,7 +671,7 @@ def step_sweep(a: argparse.Namespace) -> Result:
             if clock.calls != want:
                 raise RuntimeError(f"the bench driver called its compute {clock.calls} times, expected {want}: "
                                    "bladed_bench.workload no longer sleeps for compute; update "
-                                   "tools/gpu_check_steps.py")
+                                   "tools/gpu/gpu_check_steps.py")
             point["compute_ms_per_layer"] = {k: round(clock.seconds[k] / clock.calls[k] * 1e3, 3) for k in want}
             point["target_end"] = target.end_info()
         finally:
@@ -716,7 +717,7 @@ def step_sweep(a: argparse.Namespace) -> Result:
 
 # -- cgroups -----------------------------------------------------------------------------------------------
 
-#: the environment variable through which tools/gpu_check.py hands every step the parent for memory cgroups
+#: the environment variable through which tools/gpu/gpu_check.py hands every step the parent for memory cgroups
 CGROUP_PARENT_ENV = "BLADED_GPU_CHECK_CGROUP_PARENT"
 PROBE_LIMIT = 64 * MiB
 
@@ -820,7 +821,7 @@ def step_flexgen(a: argparse.Namespace) -> Result:
     if not wheels and a.rehearse:
         wheels, source = fg.wheels_in(fg.LOCAL_WHEELS), fg.LOCAL_WHEELS
     if not wheels:
-        fix = "run tools/gpu_check.py --prepare where pip can reach PyPI, and carry .gpu-carry"
+        fix = "run tools/gpu/gpu_check.py --prepare where pip can reach PyPI, and carry .gpu-carry"
         if a.rehearse:
             fix += f" (or tools/setup.sh, which puts them in {os.path.relpath(fg.LOCAL_WHEELS, ROOT)})"
         return {"status": "failed", "reason": f"no FlexGen wheels ({', '.join(f'{n}=={v}' for n, v, _ in fg.WHEELS)}) "
@@ -951,7 +952,7 @@ def step_profile(a: argparse.Namespace) -> Result:
         return {"status": "failed", "data": data,
                 "reason": "KV through bladed gave other tokens than KV on the device" if not equal else
                           "the profile's hooks were not called once per layer: bladed.runner.generation changed; "
-                          "update tools/gpu_profile.py"}
+                          "update tools/gpu/gpu_profile.py"}
     if not cuda:
         return {"status": "not_run", "reason": "no CUDA: rehearsed on the CPU with a tiny model (no CUDA events)",
                 "data": data}
@@ -1039,7 +1040,7 @@ def step_e2e(a: argparse.Namespace) -> Result:
     # VM shared with other work): it proves the plumbing, not the timing
     plan = E2EPlan(workload=w, sides=list(E2E_SIDES), fractions=fractions, reps=reps, workdir=workdir,
                    drop=True, settle=not a.rehearse, drop_scope="workdir", timeout_s=max(60.0, budget or 900.0),
-                   budget_s=budget, notes={"by": "tools/gpu_check.py (issue 41)"})
+                   budget_s=budget, notes={"by": "tools/gpu/gpu_check.py (issue 41)"})
     data: Result = {"workload": dataclasses.asdict(w), "sides": list(E2E_SIDES), "fractions": fractions,
                     "reps": reps, "budget_s": budget, "drop_scope": "workdir",
                     "drop_scope_why": "libraries stay cached: a run's process start and the lazily loaded CUDA "

@@ -1,6 +1,6 @@
 """Where a decode step of the runner goes, layer by layer: KV through bladed against KV kept on the GPU (issue 41).
 
-Used by ``tools/gpu_check_steps.py profile``. :func:`profiled` swaps the runner's per-``generate`` state
+Used by ``tools/gpu/gpu_check_steps.py profile``. :func:`profiled` swaps the runner's per-``generate`` state
 (``bladed.runner.generation._Generation``) for :class:`ProfiledGeneration`, which times, per step:
 
 * on the compute thread (host seconds): ``load_cache`` (for offloaded KV: the wait for its load, the
