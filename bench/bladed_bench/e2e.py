@@ -222,7 +222,7 @@ class E2EPlan:
     #: says how many ran
     budget_s: float | None = None
     #: called after every limit of every repetition with (repetition, fraction, limit, the JSON so far): another
-    #: system run at the same point of the same alternation (``tools/gpu_check_steps.py``: FlexGen)
+    #: system run at the same point of the same alternation (``tools/gpu/gpu_check_steps.py``: FlexGen)
     after_limit: Callable[[int, float, int, dict[str, Any]], None] | None = None
     #: the sparse decode reads of the ``@sel`` sides (the runner's ``--kv-select``; docs/kv-select.md)
     #: the sparse decode reads of the ``@sel`` sides (the runner's ``--kv-select``; docs/kv-select.md): ``@sel`` the

