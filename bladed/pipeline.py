@@ -30,6 +30,7 @@ overlap-cross in iteration 3, as the paper does.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -225,8 +226,9 @@ class AdaptivePipeline:
                     self.decision[g] = "cross" if by["cross"].gbps > by["intra"].gbps else "intra"
 
     # -- scheduling ------------------------------------------------------
-    def load(self, jobs: Sequence[LoadJob], group: int) -> LoadHandle:
-        """Submit one layer's jobs (job i on copy thread i)."""
+    def load(self, jobs: Sequence[LoadJob], group: int, *, exclusive_dma: bool = True) -> LoadHandle:
+        """Submit one layer's jobs (job i on copy thread i). ``exclusive_dma``: their DMAs one at a time (a GPU
+        link's one copy engine); False where each "DMA" is its copy thread's own CPU copy, which may run at once."""
         strategy = self.strategy_for(group)
         if self.iteration == TRIAL_ITER:
             self._trial_loads[group] = self._trial_loads.get(group, 0) + 1
@@ -234,7 +236,7 @@ class AdaptivePipeline:
         n = len(jobs)
         read_done = [threading.Event() for _ in range(n)]
         all_done = [threading.Event() for _ in range(n)]
-        dma_lock = self.dma_lock
+        dma_lock: Any = self.dma_lock if exclusive_dma else contextlib.nullcontext()
         h.read_results = [None] * n
 
         def run(i: int, job: LoadJob) -> Any:

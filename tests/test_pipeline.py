@@ -59,6 +59,31 @@ def test_off_runs_read_dma_read_dma() -> None:
     assert t["r0e"] <= t["d0s"] and t["d0e"] <= t["r1s"] and t["r1e"] <= t["d1s"]
 
 
+def test_cpu_copies_of_one_load_run_at_once_when_the_dma_is_not_exclusive() -> None:
+    """A sparse layer's K and V gathers on the CPU (``exclusive_dma=False``): both copies in flight together, each
+    waiting for the other inside its DMA, which one DMA at a time would never let happen (the barrier breaks)."""
+    pool = CopyThreadPool(2)
+    pipe = AdaptivePipeline(pool, "intra")
+    inside = threading.Barrier(2)
+    wait_s = [10.0]
+
+    def job(i: int) -> LoadJob:
+        def dma() -> int:
+            inside.wait(timeout=wait_s[0])
+            return i
+
+        return LoadJob(read=lambda: None, dma=dma, nbytes=1)
+
+    try:
+        assert pipe.load([job(0), job(1)], group=1, exclusive_dma=False).result() == [0, 1]
+        inside.reset()
+        wait_s[0] = 0.5      # under the lock the other DMA cannot start however long this waits
+        with pytest.raises(threading.BrokenBarrierError):
+            pipe.load([job(0), job(1)], group=1).result()     # the default: one DMA at a time
+    finally:
+        pool.close()
+
+
 def test_copy_thread_owns_its_slot_index() -> None:
     pool = CopyThreadPool(2)
     idents = [pool.submit(ch, threading.get_ident).result() for ch in (0, 1, 0, 1)]

@@ -748,7 +748,10 @@ class _Generation:
 
         jobs = [LoadJob(read=partial(read, kind), dma=partial(dma, kind),
                         nbytes=int(pages.numel()) * reader.page * backend.geometry.token_bytes) for kind in kinds]
-        return self.pipeline.load(jobs, backend.group(bl, "k"))
+        # on the CPU, K's and V's gathers are the copy threads' own copies, on the critical path (the layer waits
+        # for them): at once, not one after the other as a GPU link's DMAs (0.09-0.11 -> 0.08 s a step waiting
+        # for loads, SmolLM2 keys:0.25, docs/kv-select.md)
+        return self.pipeline.load(jobs, backend.group(bl, "k"), exclusive_dma=self.cuda)
 
     def _read_kv(self, step: int, backend: KVBackend, backend_layer: int, kind: Kind, ntokens: int) -> Any:
         """Copy thread: read tokens ``[0, ntokens)`` of a K or V into the thread's staging slot."""
