@@ -388,7 +388,11 @@ def test_a_neighbour_in_the_slice_lives_beside_memory_kv(stopped: dict[str, Any]
                 events = dict(ln.split() for ln in Path(slice_cg, "memory.events").read_text().splitlines())
                 assert events["oom_kill"] == "0", events
                 replans = [ln for ln in journal.lines[before:journal.mark()] if "event=replan " in ln]
-                assert replans and all(re.search(r"reason=(threshold|pressure)", ln) for ln in replans), replans
+                # the watch saw the growth first (threshold or pressure); while the neighbour grows on, a periodic
+                # sample may come before the next threshold and demote more, which is the backstop doing its job
+                reasons = [m.group(1) if (m := re.search(r"reason=(\w+)", ln)) else None for ln in replans]
+                assert reasons and reasons[0] in ("threshold", "pressure"), reasons
+                assert set(reasons) <= {"threshold", "pressure", "periodic"}, reasons
                 rep = admin.stats()["replan"]
                 assert rep["demoted_kpus"] >= 1 and rep["demotions_failed"] == 0
                 assert rep["demoted_bytes"] <= grow + s["free_bytes"]
