@@ -15,6 +15,7 @@ import tempfile
 import time
 from typing import Any
 
+from bladed_bench import trials
 from bladed_bench.environment import git_info, machine_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
            "notes": dict(n.split("=", 1) for n in args.note), "result": measure()}
     print(json.dumps(doc["result"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        trials.write_json(args.json, doc)
     return 0
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from bladed_bench import trials
 from bladed_bench.repo import REPO
 from bladed_bench.stats import parse_size
 from bladed_bench.workload import CONFIGS, WorkloadSpec
@@ -137,9 +138,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         from bladed_bench.sweep import select_summary
 
         doc["select_summary"] = select_summary(doc)
-        with open(out, "w") as js:
-            json.dump(doc, js, indent=1)
-            js.write("\n")
+        trials.write_json(out, doc, newline=True)
         for row in doc["select_summary"]:
             m = row["decode_time_over_dense"]
             print(f"{row['limit_bytes'] / GiB:.2f} GiB {row['point']}: decode ÷ dense {m['median']:.3f} "
@@ -169,8 +168,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                          for k, v in rec.get("latency", {}).items() if v.get("n")}
     text = json.dumps(out, indent=1, default=str)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rec, f, indent=1, default=str)
+        trials.write_json(a.json, rec, default=str)
     print(text)
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import mmap
 import os
 import platform
@@ -23,7 +22,7 @@ import tempfile
 import threading
 import time
 
-from bladed_bench import environment, stats
+from bladed_bench import environment, stats, trials
 from bladed_bench.repo import REPO as ROOT
 
 CHUNK = 32 << 20   # one pread per 32 MiB (a KPU-sized range)
@@ -95,8 +94,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                        "cpus": os.cpu_count(), "kernel": platform.release(),
                        "loadavg_end": environment.read_text("/proc/loadavg")},
            "size_bytes": size, "chunk_bytes": CHUNK, "rounds": rounds, "medians": medians}
-    with open(out, "w") as fo:
-        json.dump(doc, fo, indent=1)
+    trials.write_json(out, doc)
     for k, v in medians.items():
         print(f"{k}: {v:.2f} GB/s")
     print(f"wrote {out}")

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bladed_bench import trials
 from bladed_bench.cgroup import drop_caches
 from bladed_bench.environment import git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
@@ -126,8 +127,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     doc = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine_info(),
            "git": git_info(ROOT), "page_reporting": reported_kib() is not None, "piece_bytes": PIECE,
            "total_bytes": TOTAL, "rows": rows}
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
+    trials.write_json(out, doc)
     print(out)
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import random
 import sys
@@ -311,8 +310,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         result["shared"] = shared_run(lm, base, args, device)
     result.update(machine=machine_info(), filesystem=filesystem_of(base), git=git_info(ROOT))
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    trials.write_json(out, result)
     for name in ("chat", "document"):
         if name in result:
             s = result[name]["summary"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import socket
@@ -37,6 +36,7 @@ from bladed.client import Client
 from bladed.io import Engine, StagingBuffer
 from bladed.io.file import FileDevice
 from bladed.protocol import HEADER, IO_FORMAT, MAGIC
+from bladed_bench import trials
 from bladed_bench.environment import filesystem_of, git_info, machine_info
 from bladed_bench.repo import REPO as ROOT
 from bladed_bench.workload import BenchDaemon
@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               "per_kpu_step_us": {k: medians[k] / L for k in medians if "step" in k},
               "ratios": ratios, "machine": machine_info(), "filesystem": filesystem_of(base), "git": git_info(ROOT)}
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    trials.write_json(out, result)
     print(f"{'measure':45s} {'median':>10s}")
     for k, v in medians.items():
         print(f"{k:45s} {v:10.1f}")

@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     med = {side: statistics.median(by[(rep, side)] for rep in range(1, args.reps + 1)) for side in sides}
     doc["summary"] = {"decode_tok_s_median": med, "paired_ratio_median": statistics.median(ratios),
                       "paired_ratios": ratios, "ratio": f"{other} / {base}"}
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    trials.write_json(out, doc, newline=True)
     print(f"decode tok/s: {other} {med[other]:.2f}, {base} {med[base]:.2f}; paired ratio median "
           f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]\n{out}")
     return 0

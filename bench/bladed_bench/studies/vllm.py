@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if daemon.d is not None:
                 daemon.stop()
         res.update(machine=machine_info(), filesystem=filesystem_of(base), git=git_info(ROOT))
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
+    trials.write_json(out_path, res)
     print(json.dumps({k: res[k] for k in ("reset_prefix_cache", "engine_restart", "daemon_restart", "two_engines",
                                           "vllm_own_tiers", "store")}, indent=1))
     print(out_path)
